@@ -1,0 +1,14 @@
+"""ppsplit: split a transformer into pipeline stages that keep the original FQNs, and prove it.
+
+>>> split = ppsplit.split(model, args=(input_ids,), kwargs={...}, stages=2)
+>>> report = ppsplit.verify_fqns(model, split)
+"""
+
+from ppsplit.errors import CheckFailed, PpsplitError
+from ppsplit.trace_split import Split, find_blocks, split
+from ppsplit.verify import FqnReport, Numerics, verify_fqns, verify_numerics
+
+__all__ = [
+    "CheckFailed", "FqnReport", "Numerics", "PpsplitError", "Split",
+    "find_blocks", "split", "verify_fqns", "verify_numerics",
+]

@@ -1,0 +1,3 @@
+from ppsplit.cli import main
+
+main()

@@ -1,0 +1,51 @@
+"""What a run prints and writes: the stage table, the verdict and ``report.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+
+def stage_rows(split) -> list[dict]:
+    """One row per stage: its blocks, parameter count and state_dict keys."""
+    rows = []
+    for index, (stage, keys) in enumerate(zip(split.stages, split.stage_keys)):
+        params = {id(p): p.numel() for p in stage.parameters()}
+        blocks = [b for b in split.blocks if b in split.stage_modules[index]]
+        rows.append({
+            "index": index,
+            "first_block": blocks[0] if blocks else None,
+            "last_block": blocks[-1] if blocks else None,
+            "num_params": sum(params.values()),
+            "state_dict_keys": len(keys),
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("stage", "first block", "last block", "params", "keys")
+    body = [
+        (str(r["index"]), r["first_block"] or "-", r["last_block"] or "-",
+         f"{r['num_params']:,}", str(r["state_dict_keys"]))
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically, so a crash leaves no half-written report."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

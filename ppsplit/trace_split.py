@@ -1,0 +1,429 @@
+"""Trace a model with torch.export, cut its graph where stages begin, and unflatten each stage.
+
+Each stage is its own small ExportedProgram handed to ``torch.export.unflatten``, so a stage's
+modules, parameters and buffers keep the original model's FQNs (``transformer.h.3.mlp.c_fc.weight``
+stays that), buffers keep their persistence, and names tied in the original name one tensor.
+
+Values a later stage needs are relayed: every stage returns all values that any later stage
+reads, so each stage talks only to its neighbour. torch's ``Pipe`` instead sends a value from
+stage 0 straight to stage 3 (the causal mask, rotary cos/sin, T5's encoder output), which its
+runtime refuses beyond two ranks. Relaying was chosen over recomputing such values where they are
+used because it needs no knowledge of which values are parameter-free or cheap, keeps every
+stage's numerics bit-identical to the traced graph, and the relayed tensors are small next to
+the activations already sent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.utils import _pytree as pytree
+
+from ppsplit.errors import PpsplitError, nearest
+from ppsplit.stage_code import use_generated_code
+
+
+@dataclass
+class Split:
+    """A model cut into pipeline stages that keep the original FQNs.
+
+    Calling it runs the stages in order in this process, with autograd through all of them.
+    """
+
+    stages: list[torch.nn.Module]
+    points: list[str]
+    stage_keys: list[list[str]]  # state_dict keys held by each stage
+    tie_groups: list[list[str]]  # original FQNs that name one tensor
+    stage_inputs: list[list[str]]  # graph values each stage receives, in order
+    stage_outputs: list[list[str]]
+    program: ExportedProgram = field(repr=False)
+    blocks: list[str] = field(default_factory=list)  # the model's repeated blocks, in run order
+    stage_modules: list[set[str]] = field(repr=False, default_factory=list)  # modules each runs
+    _in_spec: pytree.TreeSpec = field(repr=False, default=None)
+    _input_leaves: list[int] = field(repr=False, default_factory=list)
+    _out_spec: pytree.TreeSpec = field(repr=False, default=None)
+    _out_leaves: list[tuple[str, Any]] = field(repr=False, default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        """The tensors stage 0 takes, from the model's own (args, kwargs)."""
+        order = self._in_spec.children()[1].context
+        if set(kwargs) != set(order):
+            raise PpsplitError(
+                f"keyword arguments {sorted(kwargs)} differ from the traced ones {sorted(order)}"
+            )
+        leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in order}))
+        if spec != self._in_spec:
+            raise PpsplitError("inputs do not have the structure of the traced example inputs")
+        return tuple(leaves[i] for i in self._input_leaves)
+
+    def model_outputs(self, values: Sequence[torch.Tensor]):
+        """The last stage's outputs rebuilt into the structure the model returns."""
+        leaves = [values[v] if kind == "value" else v for kind, v in self._out_leaves]
+        return pytree.tree_unflatten(leaves, self._out_spec)
+
+    def __call__(self, *args, **kwargs):
+        values = self.flat_inputs(args, kwargs)
+        for stage in self.stages:
+            values = as_tuple(stage(*values))
+        return self.model_outputs(values)
+
+
+def as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
+    """Trace ``model`` without changing it (no patched ``forward``)."""
+    return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+
+
+def module_run_order(program: ExportedProgram) -> dict[str, int]:
+    """Each module FQN that runs, mapped to the index of its first operation in the graph."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(program.graph.nodes):
+        if node.op != "call_function":
+            continue
+        for path, _ in node.meta.get("nn_module_stack", {}).values():
+            first.setdefault(path, i)
+    return first
+
+
+def find_blocks(model: torch.nn.Module, run_order: dict[str, int]) -> list[str]:
+    """The model's repeated blocks, in the order they run.
+
+    A block list is an ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one
+    class that sits inside no other block list: ``transformer.h``, ``model.layers``,
+    ``bert.encoder.layer``, and T5's ``encoder.block`` then ``decoder.block``.
+    """
+    containers = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) or len(mod) < 2:
+            continue
+        if len({type(c) for c in mod.children()}) != 1:
+            continue
+        if any(name.startswith(c + ".") for c in containers):
+            continue
+        containers.append(name)
+    blocks = [
+        f"{c}.{i}" if c else str(i)
+        for c in containers
+        for i in range(len(model.get_submodule(c)))
+    ]
+    blocks = [b for b in blocks if b in run_order]
+    return sorted(blocks, key=run_order.__getitem__)
+
+
+def even_points(blocks: Sequence[str], stages: int) -> list[str]:
+    """Split points giving each stage an equal share of the blocks (earlier stages take the
+    remainder, since the last stage also carries the head and the loss)."""
+    if stages < 1:
+        raise PpsplitError(f"stages={stages}: must be at least 1")
+    if stages > len(blocks):
+        raise PpsplitError(
+            f"stages={stages}: more stages than the model's {len(blocks)} blocks; "
+            f"allowed: 1 to {len(blocks)}"
+        )
+    base, extra = divmod(len(blocks), stages)
+    sizes = [base + (1 if i < extra else 0) for i in range(stages)]
+    starts = [sum(sizes[:i]) for i in range(1, stages)]
+    return [blocks[i] for i in starts]
+
+
+def tie_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of state_dict keys that name one tensor in ``model``."""
+    by_id: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(tensor), []).append(key)
+    return [keys for keys in by_id.values() if len(keys) > 1]
+
+
+def _point_positions(
+    model: torch.nn.Module, points: Sequence[str], run_order: dict[str, int]
+) -> list[int]:
+    modules = dict(model.named_modules())
+    positions = []
+    for point in points:
+        if not isinstance(point, str) or point not in modules or point == "":
+            raise PpsplitError(
+                f"split point {point!r} is not a module of {type(model).__name__}"
+                f"{nearest(str(point), [m for m in modules if m])}"
+            )
+        if point not in run_order:
+            raise PpsplitError(
+                f"split point {point!r} never runs in forward; "
+                f"allowed: modules that run{nearest(point, run_order)}"
+            )
+        positions.append(run_order[point])
+    for i, (a, b) in enumerate(zip(points, points[1:])):
+        if a == b:
+            raise PpsplitError(f"split point {a!r} is repeated; each stage begins once")
+        if positions[i + 1] < positions[i]:
+            raise PpsplitError(
+                f"split points out of order: {b!r} runs before {a!r}; list them in run order"
+            )
+        if positions[i + 1] == positions[i]:
+            raise PpsplitError(
+                f"split points {a!r} and {b!r} begin at the same operation, "
+                f"which leaves stage {i + 1} empty"
+            )
+    return positions
+
+
+def _stage_of_nodes(nodes: list[fx.Node], positions: list[int]) -> dict[fx.Node, int]:
+    stage_of: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        src = node.args[0] if node.args else None
+        if node.target is operator.getitem and isinstance(src, fx.Node) and src in stage_of:
+            # A multi-output op and its getitems stay together: only tensors cross stages.
+            stage_of[node] = stage_of[src]
+        else:
+            stage_of[node] = bisect.bisect_right(positions, i)
+    return stage_of
+
+
+def split(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    stages: int | None = None,
+    points: Sequence[str] | None = None,
+    program: ExportedProgram | None = None,
+) -> Split:
+    """Cut ``model`` into pipeline stages whose FQNs are the original's.
+
+    Give ``stages`` for an even split over the model's repeated blocks, or ``points``: module
+    FQNs where a stage begins. ``args``/``kwargs`` are example inputs; the stages are traced at
+    their shapes. ``model`` is not modified.
+    """
+    if (stages is None) == (points is None):
+        raise PpsplitError("give exactly one of stages= (even split) or points= (module FQNs)")
+    program = program if program is not None else export(model, args, kwargs)
+    run_order = module_run_order(program)
+    blocks = find_blocks(model, run_order)
+    if points is None:
+        points = even_points(blocks, stages)
+    points = list(points)
+    positions = _point_positions(model, points, run_order)
+    return _build_split(model, program, points, positions, blocks)
+
+
+def _build_split(model, program, points, positions, blocks) -> Split:
+    graph = program.graph
+    nodes = list(graph.nodes)
+    sig = program.graph_signature
+    n_stages = len(points) + 1
+    stage_of = _stage_of_nodes(nodes, positions)
+    first_op = next(i for i, n in enumerate(nodes) if n.op == "call_function")
+    if positions and positions[0] == first_op:
+        raise PpsplitError(
+            f"split point {points[0]!r} is the model's first operation, which leaves stage 0 empty"
+        )
+
+    spec_of = {spec.arg.name: spec for spec in sig.input_specs}
+    user_inputs = [
+        n for n in nodes
+        if n.op == "placeholder" and spec_of[n.name].kind == InputKind.USER_INPUT
+        and isinstance(spec_of[n.name].arg, TensorArgument)
+    ]
+    output_node = nodes[-1]
+    out_leaves_nodes, out_spec = pytree.tree_flatten(output_node.args[0])
+    last = n_stages - 1
+
+    # Which stage defines each value, and the last stage that reads it.
+    def_stage = {n: 0 for n in user_inputs}
+    def_stage.update(stage_of)
+    last_use: dict[fx.Node, int] = {}
+    for node, s in stage_of.items():
+        for arg in node.all_input_nodes:
+            if arg in def_stage:
+                last_use[arg] = max(last_use.get(arg, 0), s)
+    for leaf in out_leaves_nodes:
+        if isinstance(leaf, fx.Node):
+            last_use[leaf] = last
+    index = {n: i for i, n in enumerate(nodes)}
+    live = [
+        sorted((v for v in def_stage if def_stage[v] <= b < last_use.get(v, -1)), key=index.get)
+        for b in range(n_stages - 1)
+    ]
+    stage_in = [user_inputs] + live
+    stage_out = live + [[leaf for leaf in out_leaves_nodes if isinstance(leaf, fx.Node)]]
+
+    # State tensors each stage reads, and the modules each stage runs.
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    used_state: list[dict[int, list[fx.Node]]] = [dict() for _ in range(n_stages)]
+    carried: list[set[str]] = [set() for _ in range(n_stages)]
+    for node, s in stage_of.items():
+        for path, _ in node.meta.get("nn_module_stack", {}).values():
+            carried[s].add(path)
+        for arg in node.all_input_nodes:
+            spec = spec_of.get(arg.name) if arg.op == "placeholder" else None
+            if spec is not None and spec.kind != InputKind.USER_INPUT:
+                key = id(named[spec.target]) if spec.target in named else id(arg)
+                phs = used_state[s].setdefault(key, [])
+                if arg not in phs:
+                    phs.append(arg)
+
+    stage_keys = _assign_keys(model, named, used_state, carried, n_stages)
+    stages = [
+        _stage_module(program, nodes, stage_of, s, stage_in[s], stage_out[s],
+                      used_state[s], stage_keys[s], named, carried[s])
+        for s in range(n_stages)
+    ]
+    out_pos = {leaf: i for i, leaf in enumerate(stage_out[last])}
+    return Split(
+        stages=stages,
+        points=list(points),
+        stage_keys=stage_keys,
+        tie_groups=tie_groups(model),
+        stage_inputs=[[n.name for n in ins] for ins in stage_in],
+        stage_outputs=[[n.name for n in outs] for outs in stage_out],
+        program=program,
+        blocks=blocks,
+        stage_modules=carried,
+        _in_spec=program.call_spec.in_spec,
+        _input_leaves=_tensor_input_leaves(sig),
+        _out_spec=out_spec,
+        _out_leaves=[
+            ("value", out_pos[leaf]) if isinstance(leaf, fx.Node) else ("const", leaf)
+            for leaf in out_leaves_nodes
+        ],
+    )
+
+
+def _tensor_input_leaves(sig: ExportGraphSignature) -> list[int]:
+    user = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    return [i for i, s in enumerate(user) if isinstance(s.arg, TensorArgument)]
+
+
+def _assign_keys(model, named, used_state, carried, n_stages) -> list[list[str]]:
+    """Which stage holds each original state_dict key.
+
+    A key goes to the stages that read its tensor and run its module. A tied key whose module
+    never runs (T5's ``shared``) goes to the first stage that reads its tensor; a key nobody
+    reads goes to the first stage that runs its module or the nearest module above it.
+    """
+    keys: list[list[str]] = [[] for _ in range(n_stages)]
+    for key in model.state_dict(keep_vars=True):
+        tensor_id = id(named[key])
+        module = key.rpartition(".")[0]
+        readers = [s for s in range(n_stages) if tensor_id in used_state[s]]
+        holders = [s for s in readers if module in carried[s]] or readers[:1]
+        if not holders:
+            holders = [_first_runner(module, carried)]
+        for s in holders:
+            keys[s].append(key)
+    return keys
+
+
+def _first_runner(module: str, carried: list[set[str]]) -> int:
+    while True:
+        for s, paths in enumerate(carried):
+            if module in paths:
+                return s
+        if not module:
+            return 0
+        module = module.rpartition(".")[0]
+
+
+def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, named, carried):
+    """Build stage ``s`` as its own ExportedProgram and unflatten it."""
+    sig = program.graph_signature
+    spec_of = {spec.arg.name: spec for spec in sig.input_specs}
+    keys_by_id: dict[int, list[str]] = {}
+    for key in keys:
+        keys_by_id.setdefault(id(named[key]), []).append(key)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    input_specs: list[InputSpec] = []
+    state_dict: dict[str, torch.Tensor] = {key: named[key] for key in keys}
+    constants: dict[str, Any] = {}
+    state_phs = {ph for phs in used.values() for ph in phs}
+
+    for node in nodes:  # state placeholders in the original's order (params, buffers, constants)
+        if node not in state_phs:
+            continue
+        spec = spec_of[node.name]
+        target = spec.target
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and target not in state_dict:
+            if spec.kind == InputKind.PARAMETER or spec.persistent:
+                # A tied tensor read under a name this stage does not carry: read it under one
+                # of the names the stage holds, so no stale or extra name appears.
+                target = keys_by_id[id(named[target])][0]
+            else:
+                constants[target] = program.constants[target]
+        elif spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            constants[target] = program.constants[target]
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+        input_specs.append(
+            InputSpec(kind=spec.kind, arg=TensorArgument(node.name), target=target,
+                      persistent=spec.persistent)
+        )
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+        input_specs.append(InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(node.name),
+                                     target=None))
+    for node in nodes:
+        if stage_of.get(node) == s:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    out_vals = [env[v] for v in outputs]
+    graph.output(tuple(out_vals))
+    output_specs = [
+        OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(v.name), target=None)
+        for v in out_vals
+    ]
+    in_spec = pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
+    out_spec = pytree.tree_flatten(out_vals[0] if len(out_vals) == 1 else tuple(out_vals))[1]
+    call_graph = [
+        ModuleCallEntry(
+            "",
+            ModuleCallSignature(
+                inputs=[TensorArgument(n.name) for n in inputs],
+                outputs=[TensorArgument(v.name) for v in out_vals],
+                in_spec=in_spec,
+                out_spec=out_spec,
+            ),
+        )
+    ] + [
+        entry for entry in program.module_call_graph
+        if entry.fqn and entry.signature is None and entry.fqn.split("@")[0] in carried
+    ]
+    stage_program = ExportedProgram(
+        root=torch.nn.Module(),
+        graph=graph,
+        graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
+        state_dict=state_dict,
+        range_constraints=program.range_constraints,
+        module_call_graph=call_graph,
+        constants=constants,
+        verifiers=program.verifiers,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own LeafSpec notice
+        module = torch.export.unflatten(stage_program)
+    use_generated_code(module)
+    return module

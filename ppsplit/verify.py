@@ -1,0 +1,156 @@
+"""Prove a split is the original model: its stages' FQNs partition the original state_dict,
+ties stay ties, values are the original's, and the chained stages compute what the model does."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ppsplit.trace_split import Split, tie_groups
+
+
+@dataclass
+class FqnReport:
+    ok: bool
+    original_keys: int
+    missing: list[str] = field(default_factory=list)  # in the original, in no stage
+    unexpected: list[str] = field(default_factory=list)  # in a stage, not in the original
+    duplicated: list[str] = field(default_factory=list)  # untied key held by several stages
+    tied: list[dict] = field(default_factory=list)  # {"keys": [...], "stages": [...]}
+    split_ties: list[str] = field(default_factory=list)  # tied names that are two tensors in one stage
+    value_mismatch: list[str] = field(default_factory=list)  # stage tensor != original's
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def problems(self) -> list[str]:
+        return [
+            f"{name}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+            for name in ("missing", "unexpected", "duplicated", "split_ties", "value_mismatch")
+            if (keys := getattr(self, name))
+        ]
+
+
+def verify_fqns(model: torch.nn.Module, split: Split, check_values: bool = True) -> FqnReport:
+    """Check the stage state_dicts against ``model.state_dict()``.
+
+    Every original key is in a stage and no stage has a key the original lacks; a key is in one
+    stage unless it is tied in the original; inside a stage all names of one tied tensor are one
+    tensor; and (``check_values``) every stage tensor equals the original's.
+    """
+    original = model.state_dict(keep_vars=True)
+    stage_sds = [stage.state_dict(keep_vars=True) for stage in split.stages]
+    groups = tie_groups(model)
+    tied_keys = {k for g in groups for k in g}
+
+    holders: dict[str, list[int]] = {}
+    for s, sd in enumerate(stage_sds):
+        for key in sd:
+            holders.setdefault(key, []).append(s)
+    missing = sorted(set(original) - set(holders))
+    unexpected = sorted(set(holders) - set(original))
+    duplicated = sorted(k for k, ss in holders.items() if len(ss) > 1 and k not in tied_keys)
+
+    split_ties = []
+    for group in groups:
+        for s, sd in enumerate(stage_sds):
+            present = [k for k in group if k in sd]
+            if len({id(sd[k]) for k in present}) > 1:
+                split_ties.extend(f"stage {s}: {k}" for k in present)
+    tied = [
+        {"keys": group, "stages": sorted({s for k in group for s in holders.get(k, [])})}
+        for group in groups
+    ]
+
+    mismatch = []
+    if check_values:
+        for s, sd in enumerate(stage_sds):
+            for key, tensor in sd.items():
+                ref = original.get(key)
+                if ref is None or ref.is_meta or tensor.is_meta:
+                    continue
+                if ref.shape != tensor.shape or not torch.equal(ref.detach(), tensor.detach()):
+                    mismatch.append(f"stage {s}: {key}")
+    ok = not (missing or unexpected or duplicated or split_ties or mismatch)
+    return FqnReport(ok, len(original), missing, unexpected, duplicated, tied, split_ties, mismatch)
+
+
+@dataclass
+class Numerics:
+    forward_max_abs_diff: float
+    loss_abs_diff: float
+    grad_max_abs_diff: float
+    worst_grad: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def ok(self, tol: float = 1e-5) -> bool:
+        return max(self.forward_max_abs_diff, self.loss_abs_diff, self.grad_max_abs_diff) <= tol
+
+
+def verify_numerics(
+    model: torch.nn.Module,
+    split: Split,
+    microbatches: Sequence,
+    loss_fn: Callable,
+) -> Numerics:
+    """Forward, loss and gradients of the chained stages against the unsplit model.
+
+    Each microbatch is run separately and the loss is their mean, as the pipeline schedules do.
+    A tied tensor's gradient is summed over the stages that hold it before comparing. Gradients
+    of ``model`` and of the stages are overwritten.
+    """
+    for module in (model, *split.stages):
+        module.zero_grad(set_to_none=True)
+    fwd_diff = 0.0
+    ref_loss = torch.zeros(())
+    split_loss = torch.zeros(())
+    n = len(microbatches)
+    for mb in microbatches:
+        ref_out = model(*mb.args, **mb.kwargs)
+        out = split(*mb.args, **mb.kwargs)
+        fwd_diff = max(fwd_diff, _max_abs_diff(ref_out, out))
+        ref_mb_loss = loss_fn(ref_out, mb.labels) / n
+        split_mb_loss = loss_fn(out, mb.labels) / n
+        ref_mb_loss.backward()
+        split_mb_loss.backward()
+        ref_loss = ref_loss + ref_mb_loss.detach()
+        split_loss = split_loss + split_mb_loss.detach()
+
+    ref_grads = {k: p.grad for k, p in model.named_parameters(remove_duplicate=False)}
+    summed: dict[str, torch.Tensor] = {}
+    for stage in split.stages:
+        seen: set[tuple[int, str]] = set()
+        for key, p in stage.named_parameters(remove_duplicate=False):
+            if p.grad is None:
+                continue
+            # one tensor under several names in a stage contributes its gradient once
+            group = [k for g in split.tie_groups if key in g for k in g] or [key]
+            for k in group:
+                if (id(p), k) in seen:
+                    continue
+                seen.add((id(p), k))
+                summed[k] = summed[k] + p.grad if k in summed else p.grad.clone()
+    grad_diff, worst = 0.0, ""
+    for key, ref in ref_grads.items():
+        got = summed.get(key)
+        if ref is None and got is None:
+            continue
+        ref = torch.zeros_like(got) if ref is None else ref
+        got = torch.zeros_like(ref) if got is None else got
+        diff = (ref - got).abs().max().item() if ref.numel() else 0.0
+        if diff > grad_diff:
+            grad_diff, worst = diff, key
+    return Numerics(fwd_diff, abs(ref_loss.item() - split_loss.item()), grad_diff, worst)
+
+
+def _max_abs_diff(a, b) -> float:
+    la = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    lb = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
+    if len(la) != len(lb):
+        return float("inf")
+    return max(((x.detach().float() - y.detach().float()).abs().max().item() for x, y in zip(la, lb)),
+               default=0.0)
