@@ -248,7 +248,14 @@ def _build_split(model, program, points, positions, blocks) -> Split:
         and isinstance(spec_of[n.name].arg, TensorArgument)
     ]
     output_node = nodes[-1]
-    out_leaves_nodes, out_spec = pytree.tree_flatten(output_node.args[0])
+    if any(spec.kind != OutputKind.USER_OUTPUT for spec in sig.output_specs):
+        kinds = sorted({spec.kind.name for spec in sig.output_specs} - {"USER_OUTPUT"})
+        raise PpsplitError(
+            f"{type(model).__name__}.forward mutates its inputs or buffers ({', '.join(kinds)}); "
+            "allowed: models whose forward only returns values"
+        )
+    out_leaves_nodes = list(output_node.args[0])
+    out_spec = program.call_spec.out_spec
     last = n_stages - 1
 
     # Which stage defines each value, and the last stage that reads it.

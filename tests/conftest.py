@@ -1,0 +1,53 @@
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from ppsplit.cli import CONF_DIR
+
+MODELS = ("gpt2", "llama", "bert", "t5")
+LAUNCHERS = ("inline", "local", "slurm")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--model", choices=MODELS, default=None,
+                     help="run only the model-parametrized tests of this model (the CI matrix)")
+    parser.addoption("--launcher", choices=LAUNCHERS, default=None,
+                     help="run only the launcher-parametrized tests of this launcher")
+
+
+def pytest_collection_modifyitems(config, items):
+    chosen = {k: config.getoption(f"--{k}") for k in ("model", "launcher")}
+    if not any(chosen.values()):
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        unwanted = any(
+            want and params.get(k) is not None and params.get(k) != want
+            for k, want in chosen.items()
+        )
+        (drop if unwanted else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture
+def cfg_for():
+    """Compose the real configs with overrides, as the command line does."""
+    def _compose(*overrides):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    return _compose
+
+
+def run_cli(*args, cwd, timeout=300, env=None):
+    """Run ``python -m ppsplit`` as a user would; returns the CompletedProcess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "ppsplit", *args], cwd=cwd, capture_output=True, text=True,
+        timeout=timeout, env=full_env,
+    )

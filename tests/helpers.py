@@ -1,0 +1,22 @@
+"""Shared set-up for tests: the tiny models exactly as the real configs describe them."""
+
+from hydra import compose, initialize_config_dir
+
+from ppsplit import build
+from ppsplit.cli import CONF_DIR
+from ppsplit.job import model_settings
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def model_and_batch(name, *overrides, seed=0):
+    """(model, microbatches, loss_fn) for model config ``name``."""
+    cfg = compose_cfg(f"model={name}", *overrides)
+    s = model_settings(cfg)
+    model = build.build_model(s["class_name"], s["config"], s["pretrained"], seed=seed)
+    batch = build.make_batch(s["inputs"], model, cfg.batch_size, cfg.seq_len, cfg.seed,
+                             call_kwargs=s["call_kwargs"])
+    return model, batch.microbatches(cfg.microbatches), build.loss_fn(s["loss"])

@@ -1,0 +1,89 @@
+"""The command line as a user meets it: the main job, and one-line errors for bad input."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from ppsplit import PpsplitError
+from ppsplit.cli import run
+from conftest import run_cli
+from helpers import compose_cfg
+
+
+def test_main_job_passes_and_writes_report(tmp_path):
+    proc = run_cli("model=gpt2", "split=even", "stages=2", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "FQN check: passed" in proc.stdout and "PASSED" in proc.stdout
+    assert "transformer.h.2" in proc.stdout  # the stage table names the blocks
+    data = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert data["fqn_check"]["ok"] and data["split_points"] == ["transformer.h.2"]
+
+
+BAD = [
+    (["split=manual", "split.points=[transformer.h.9]"], "transformer.h.9", "did you mean"),
+    (["split=manual", "split.points=[transformer.h.3,transformer.h.1]"], "out of order", None),
+    (["split=manual", "split.points=[transformer.h.2,transformer.h.2]"], "repeated", None),
+    (["split=manual", "split.points=[transformer.h.2,transformer.h.2.ln_1]"], "empty", None),
+    (["split=manual"], "split.points", None),
+    (["stages=0"], "stages=0", None),
+    (["stages=5"], "stages=5", "1 to 4"),
+    (["batch_size=6", "microbatches=4"], "batch_size=6", "microbatches=4"),
+    (["model.pretrained=/nonexistent/dir"], "/nonexistent/dir", None),
+]
+
+
+@pytest.mark.parametrize("overrides,names,allowed", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_refused(tmp_path, overrides, names, allowed):
+    cfg = compose_cfg("model=gpt2", *overrides)
+    with pytest.raises(PpsplitError) as info:
+        run(cfg, str(tmp_path))
+    message = str(info.value)
+    assert names in message and "\n" not in message
+    if allowed:
+        assert allowed in message
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_pretrained_folder_without_model(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = compose_cfg("model=gpt2", f"model.pretrained={empty}")
+    with pytest.raises(PpsplitError, match="holds no model"):
+        run(cfg, str(tmp_path))
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["split=manual", "split.points=[transformer.h.9]"], "transformer.h.9"),
+    (["batch_size=6", "microbatches=4"], "batch_size=6"),
+    (["model.pretrained=/nonexistent/dir"], "/nonexistent/dir"),
+])
+def test_bad_input_exits_2_with_one_line_and_no_run_folder(tmp_path, overrides, expect):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ppsplit: error:") and expect in lines[0]
+    assert not run_dir.exists()
+
+
+def test_unknown_group_option_gets_hydras_message(tmp_path):
+    proc = run_cli("model=gpt3", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Could not find 'model/gpt3'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_pretrained_local_folder_loads_real_weights(tmp_path):
+    from ppsplit import build
+    from ppsplit.job import model_settings
+
+    s = model_settings(compose_cfg("model=gpt2"))
+    saved = build.build_model(s["class_name"], s["config"], seed=123)
+    saved.save_pretrained(tmp_path / "gpt2")
+    cfg = compose_cfg("model=gpt2", f"model.pretrained={tmp_path / 'gpt2'}")
+    assert run(cfg, str(tmp_path)) == 0
+    loaded = build.build_model(s["class_name"], pretrained=str(tmp_path / "gpt2"))
+    ref = saved.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())

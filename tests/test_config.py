@@ -1,0 +1,50 @@
+"""Every option of every config group composes into a config the job accepts."""
+
+import os
+
+import pytest
+
+from ppsplit.cli import CONF_DIR, check_config
+
+GROUPS = {
+    group: sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml"))
+    for group in sorted(os.listdir(CONF_DIR)) if os.path.isdir(os.path.join(CONF_DIR, group))
+}
+OPTIONS = [(g, o) for g, opts in GROUPS.items() for o in opts]
+EXTRA = {("split", "manual"): ["split.points=[transformer.h.2]"]}
+
+
+def test_groups_are_the_documented_ones():
+    assert {"model", "split", "schedule", "launcher"} <= set(GROUPS)
+    assert {"gpt2", "llama", "bert", "t5"} <= set(GROUPS["model"])
+    assert {"even", "manual"} <= set(GROUPS["split"])
+    assert {"gpipe", "1f1b"} <= set(GROUPS["schedule"])
+    assert "inline" in GROUPS["launcher"]
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes(cfg_for, group, option):
+    cfg = cfg_for(f"{group}={option}", *EXTRA.get((group, option), []))
+    assert cfg[group].name == option
+    check_config(cfg)
+    for key in ("stages", "microbatches", "batch_size", "seq_len", "seed", "steps"):
+        assert key in cfg
+
+
+@pytest.mark.parametrize("option", GROUPS["model"])
+def test_model_option_builds_tiny_model(cfg_for, option):
+    from ppsplit import build
+    from ppsplit.job import model_settings
+
+    s = model_settings(cfg_for(f"model={option}"))
+    model = build.build_model(s["class_name"], s["config"], None, seed=0)
+    assert type(model).__name__ == s["class_name"]
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny: the suite stays fast
+    build.loss_fn(s["loss"])
+
+
+def test_model_config_field_overrides(cfg_for):
+    from ppsplit.job import model_settings
+
+    cfg = cfg_for("model=gpt2", "model.config.n_layer=6")
+    assert model_settings(cfg)["config"]["n_layer"] == 6

@@ -1,0 +1,134 @@
+"""The core property: stage FQNs partition the original state_dict, and the chained stages are
+the original model (forward, loss and every gradient)."""
+
+import json
+
+import pytest
+import torch
+
+import ppsplit
+from ppsplit.cli import run
+from helpers import compose_cfg, model_and_batch
+
+BLOCKS = {"gpt2": 4, "llama": 4, "bert": 4, "t5": 8}
+CASES = [(m, s) for m in BLOCKS for s in (2, 4, "per_block")]
+
+
+def stage_count(model, stages):
+    return BLOCKS[model] if stages == "per_block" else stages
+
+
+@pytest.mark.parametrize("model,stages", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_fqns_partition_state_dict_and_numerics_match(model, stages):
+    net, mbs, loss_fn = model_and_batch(model)
+    n = stage_count(model, stages)
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=n)
+    assert len(split.stages) == n
+
+    original = net.state_dict()
+    stage_keys = [set(stage.state_dict()) for stage in split.stages]
+    assert set().union(*stage_keys) == set(original)
+    tied = {k for g in split.tie_groups for k in g}
+    for key in original:
+        holders = [i for i, keys in enumerate(stage_keys) if key in keys]
+        assert len(holders) == 1 or key in tied, (key, holders)
+    for stage in split.stages:
+        for key, tensor in stage.state_dict().items():
+            assert torch.equal(tensor, original[key]), key
+
+    report = ppsplit.verify_fqns(net, split)
+    assert report.ok, report.problems()
+    numerics = ppsplit.verify_numerics(net, split, mbs, loss_fn)
+    assert numerics.forward_max_abs_diff <= 1e-5
+    assert numerics.loss_abs_diff <= 1e-5
+    assert numerics.grad_max_abs_diff <= 1e-5, numerics.worst_grad
+
+
+@pytest.mark.parametrize("model", list(BLOCKS))
+def test_main_job_writes_report(tmp_path, model):
+    cfg = compose_cfg(f"model={model}", "stages=2")
+    assert run(cfg, str(tmp_path)) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["model"] == model and data["stages"] == 2 and len(data["split_points"]) == 1
+    check = data["fqn_check"]
+    assert check["ok"] and not check["missing"] and not check["unexpected"] and not check["duplicated"]
+    placements = sum(r["state_dict_keys"] for r in data["stage_info"])
+    assert placements >= check["original_keys"]
+    if not check["tied"]:  # untied keys sit in exactly one stage
+        assert placements == check["original_keys"]
+    assert [r["index"] for r in data["stage_info"]] == [0, 1]
+    for key in ("forward_max_abs_diff", "loss_abs_diff", "grad_max_abs_diff"):
+        assert data["numerics"][key] <= 1e-5
+
+
+def test_layer_numbering_is_kept():
+    net, mbs, _ = model_and_batch("gpt2")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
+    keys1 = set(split.stages[1].state_dict())
+    assert "transformer.h.3.mlp.c_fc.weight" in keys1 and "transformer.h.2.attn.c_attn.weight" in keys1
+    assert not any(k.startswith(("transformer.h.0.", "transformer.h.1.")) for k in keys1)
+    assert split.points == ["transformer.h.2"]
+    assert isinstance(split.stages[1].get_submodule("transformer.h.3.mlp.c_fc"), torch.nn.Module)
+
+
+def test_non_persistent_buffers_stay_non_persistent():
+    net, mbs, _ = model_and_batch("llama")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
+    stage0 = split.stages[0]
+    assert "model.rotary_emb.inv_freq" in dict(stage0.named_buffers())
+    assert "model.rotary_emb.inv_freq" not in stage0.state_dict()
+    assert not any("lifted_tensor" in k for s in split.stages for k in s.state_dict())
+
+    net, mbs, _ = model_and_batch("bert")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
+    keys = set().union(*(s.state_dict() for s in split.stages))
+    assert "bert.embeddings.position_ids" not in keys and "bert.embeddings.token_type_ids" not in keys
+
+
+def test_tied_weights_one_tensor_per_stage_and_no_stale_copy():
+    net, mbs, _ = model_and_batch("gpt2")
+    one = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=1)
+    assert one.stages[0].get_parameter("lm_head.weight") is one.stages[0].get_parameter("transformer.wte.weight")
+    two = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
+    assert "lm_head.weight" not in two.stages[0].state_dict()  # no stale head copy in stage 0
+    assert "transformer.wte.weight" not in two.stages[1].state_dict()
+    total = sum(p.numel() for s in two.stages for p in s.parameters())
+    original = sum(p.numel() for p in net.parameters())
+    assert total == original + net.transformer.wte.weight.numel()  # one legitimate copy
+
+    net, mbs, _ = model_and_batch("t5")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
+    s0 = split.stages[0]
+    # the decoder's embedding runs before decoder.block.0, so in stage 0 with the encoder's
+    names = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+    assert len({id(s0.get_parameter(n)) for n in names}) == 1
+    assert set(split.stages[-1].state_dict()) & set(names) == set()
+    assert "lm_head.weight" in split.stages[-1].state_dict()
+
+    net, mbs, _ = model_and_batch("bert")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
+    last = split.stages[-1]
+    assert last.get_parameter("cls.predictions.bias") is last.get_parameter("cls.predictions.decoder.bias")
+
+
+def test_caller_model_is_not_changed():
+    net, mbs, _ = model_and_batch("gpt2")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    forward = type(net).forward
+    ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=["transformer.h.1"])
+    assert "forward" not in vars(net) and type(net).forward is forward
+    assert not any("forward" in vars(m) for m in net.modules())
+    after = net.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_manual_points_and_tied_gradient_sum():
+    net, mbs, loss_fn = model_and_batch("gpt2")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=["transformer.h.1", "transformer.h.3"])
+    assert len(split.stages) == 3
+    loss = loss_fn(split(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels)
+    loss.backward()
+    loss_fn(net(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels).backward()
+    summed = split.stages[0].get_parameter("transformer.wte.weight").grad + \
+        split.stages[2].get_parameter("lm_head.weight").grad
+    assert torch.allclose(summed, net.transformer.wte.weight.grad, atol=1e-6)
