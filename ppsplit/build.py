@@ -149,3 +149,18 @@ def loss_fn(name: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     if name not in losses:
         raise PpsplitError(f"model.loss={name!r} is not known; allowed: {', '.join(LOSSES)}")
     return losses[name]
+
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
+def make_optimizer(spec: dict, params) -> torch.optim.Optimizer:
+    """An optimizer from its config: ``{"name": "adamw", "lr": 1e-3, ...}``."""
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    if name not in OPTIMIZERS:
+        raise PpsplitError(f"optimizer={name!r} is not known; allowed: {', '.join(OPTIMIZERS)}")
+    try:
+        return OPTIMIZERS[name](params, **spec)
+    except (TypeError, ValueError) as err:
+        raise PpsplitError(f"optimizer={name} with {spec}: {err}") from None

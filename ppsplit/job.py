@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 from omegaconf import DictConfig, OmegaConf
 
 from ppsplit import build, report
@@ -31,25 +33,77 @@ def split_args(cfg: DictConfig) -> dict:
     return {"stages": int(cfg.stages)}
 
 
+def task_for(cfg: DictConfig, settings: dict, plan, output_dir: str) -> dict:
+    """Everything a rank needs, as plain data (submitit pickles it)."""
+    debug = OmegaConf.to_container(cfg.debug, resolve=True) if cfg.get("debug") else {}
+    return {
+        "model": settings,
+        "split": split_args(cfg),
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "microbatches": cfg.microbatches,
+        "steps": cfg.steps,
+        "schedule": cfg.schedule.name,
+        "stages_per_rank": plan.stages_per_rank,
+        "placement": plan.placement,
+        "optimizer": OmegaConf.to_container(cfg.optimizer, resolve=True),
+        "timeout_s": float(cfg.timeout_s),
+        "threads": int(cfg.launcher.get("cpus_per_task") or 1),
+        "debug": debug,
+        "checkpoint_dir": checkpoint_dir(cfg, output_dir),
+        "pid_dir": os.path.join(output_dir, "ranks"),
+    }
+
+
+def checkpoint_dir(cfg: DictConfig, output_dir: str) -> str | None:
+    ckpt = cfg.get("checkpoint") or {}
+    if not ckpt.get("save"):
+        return None
+    return os.path.abspath(ckpt.get("dir") or os.path.join(output_dir, "checkpoint"))
+
+
+def plan_for(cfg: DictConfig, stages: int):
+    from ppsplit.dispatch import plan_ranks
+
+    return plan_ranks(cfg.schedule.name, stages, cfg.schedule.get("stages_per_rank"), cfg.microbatches)
+
+
 def run_job(cfg: DictConfig, output_dir: str) -> int:
     settings = model_settings(cfg)
     build.loss_fn(settings["loss"])  # refuse an unknown loss before building anything
+    build.make_optimizer(OmegaConf.to_container(cfg.optimizer, resolve=True), [torch.zeros(1, requires_grad=True)])
+    distributed = cfg.launcher.name != "inline"
+    stages_wanted = len(cfg.split.points) + 1 if cfg.split.name == "manual" else cfg.stages
+    plan = plan_for(cfg, stages_wanted)  # impossible schedules are refused before any work
+
     t0 = time.perf_counter()
     model = build.build_model(settings["class_name"], settings["config"], settings["pretrained"], cfg.seed)
-    batch = build.make_batch(settings["inputs"], model, cfg.batch_size, cfg.seq_len, cfg.seed,
-                             step=0, call_kwargs=settings["call_kwargs"])
-    microbatches = batch.microbatches(cfg.microbatches)
+    loss_fn = build.loss_fn(settings["loss"])
+
+    def batch_for(step):
+        return build.make_batch(settings["inputs"], model, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                step=step, call_kwargs=settings["call_kwargs"])
+
+    microbatches = batch_for(0).microbatches(cfg.microbatches)
     example = microbatches[0]
     t1 = time.perf_counter()
     split = split_model(model, example.args, example.kwargs, **split_args(cfg))
     t2 = time.perf_counter()
+    job_handle = None
+    if distributed and cfg.steps > 0:
+        # Start the ranks first: the driver checks and trains the reference while they run.
+        from ppsplit import dispatch
+
+        task = task_for(cfg, settings, plan, output_dir)
+        launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+        job_handle = dispatch.submit(task, launcher, os.path.join(output_dir, "submitit"), plan.ranks)
     fqn = verify_fqns(model, split)
-    numerics = verify_numerics(model, split, microbatches, build.loss_fn(settings["loss"]))
+    numerics = verify_numerics(model, split, microbatches, loss_fn)
     t3 = time.perf_counter()
 
     rows = report.stage_rows(split)
     numerics_ok = numerics.ok(cfg.tolerance)
-    ok = fqn.ok and numerics_ok
     print(f"ppsplit: {cfg.model.name} ({settings['class_name']}) in {len(split)} stages, "
           f"split at {', '.join(split.points) or '(none)'}")
     print(report.format_table(rows))
@@ -61,6 +115,12 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
           f"loss {numerics.loss_abs_diff:.2e}, grad {numerics.grad_max_abs_diff:.2e} "
           f"(tolerance {cfg.tolerance:g})")
 
+    run = None
+    if cfg.steps > 0:
+        run = train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir)
+        print(report.format_run(run))
+
+    ok = fqn.ok and numerics_ok and (run is None or run["ok"])
     data = {
         "model": cfg.model.name,
         "model_class": settings["class_name"],
@@ -70,6 +130,7 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
         "fqn_check": fqn.as_dict(),
         "stage_info": rows,
         "numerics": {**numerics.as_dict(), "ok": numerics_ok, "tolerance": cfg.tolerance},
+        "run": run,
         "timings_s": {"build": t1 - t0, "split": t2 - t1, "verify": t3 - t2},
         "ok": ok,
     }
@@ -77,3 +138,51 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
     report.write_json(path, data)
     print(f"{'PASSED' if ok else 'FAILED'}; report: {path}")
     return 0 if ok else 1
+
+
+def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir) -> dict:
+    """Train the stages (in this process, or on the ranks) and the unsplit model on the same data
+    and steps, and compare them."""
+    from ppsplit.run_rank import train_in_process
+    from ppsplit.ties import TieSync
+    from ppsplit.verify import compare_training
+
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    results = None
+    if job_handle is None:  # inline: the chained stages in this process, ties summed locally
+        modules = dict(enumerate(split.stages))
+        ties = TieSync(split.tie_groups, split.stage_keys, modules, {i: 0 for i in modules}, 0)
+        pipelined = train_in_process(split, split.stages, batch_for, cfg.steps, cfg.microbatches,
+                                     loss_fn, optimizer, after_backward=ties.sum_grads)
+        losses, first_grads, states = pipelined["losses"], pipelined["first_grads"], pipelined["state"]
+        step_time = pipelined["step_time_s"]
+        ckpt = checkpoint_dir(cfg, output_dir)
+        if ckpt:
+            from ppsplit.run_rank import save_checkpoint
+
+            save_checkpoint(ckpt, modules)
+    reference = train_in_process(model, [model], batch_for, cfg.steps, cfg.microbatches, loss_fn, optimizer)
+    if job_handle is not None:
+        from ppsplit import dispatch
+
+        results = dispatch.wait(job_handle, plan.ranks, float(cfg.timeout_s))
+        results.sort(key=lambda r: r["rank"])
+        last = len(split.stages) - 1
+        losses = next(r["losses"] for r in results if last in r["stages"])
+        first_grads = [r["first_grads"] for r in results]
+        states = [st for r in results for st in r["state"].values()]
+        step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
+    cmp = compare_training(reference, losses, first_grads, states, split.tie_groups)
+    return {
+        "launcher": cfg.launcher.name,
+        "schedule": cfg.schedule.name,
+        "ranks": plan.ranks if job_handle is not None else 1,
+        "stages_per_rank": plan.stages_per_rank if job_handle is not None else len(split.stages),
+        "steps": cfg.steps,
+        "optimizer": optimizer,
+        **cmp,
+        "step_time_s": step_time,
+        "checkpoint": checkpoint_dir(cfg, output_dir),
+        "tie_comm_groups": results[0]["tie_comm_groups"] if results else [],
+        "rank_pids": [r["pid"] for r in results] if results else [],
+    }

@@ -80,6 +80,22 @@ class Split:
         leaves = [values[v] if kind == "value" else v for kind, v in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_spec)
 
+    def stage_io_meta(self, index: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Meta tensors shaped like stage ``index``'s inputs and outputs, from the trace.
+
+        Handed to ``PipelineStage`` so it need not run the stage on empty tensors to learn the
+        shapes (garbage token ids in a relayed input would index out of range)."""
+        vals = {n.name: n.meta.get("val") for n in self.program.graph.nodes}
+
+        def meta(name, grad):
+            v = vals[name]
+            t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            return t.requires_grad_(grad and t.is_floating_point())
+
+        ins = tuple(meta(n, index > 0) for n in self.stage_inputs[index])
+        outs = tuple(meta(n, True) for n in self.stage_outputs[index])
+        return ins, outs
+
     def __call__(self, *args, **kwargs):
         values = self.flat_inputs(args, kwargs)
         for stage in self.stages:

@@ -154,3 +154,51 @@ def _max_abs_diff(a, b) -> float:
         return float("inf")
     return max(((x.detach().float() - y.detach().float()).abs().max().item() for x, y in zip(la, lb)),
                default=0.0)
+
+
+def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequence[dict],
+                     states: Sequence[dict], tie_groups: Sequence[Sequence[str]],
+                     loss_rtol: float = 1e-5, grad_atol: float = 1e-5, tie_atol: float = 1e-6) -> dict:
+    """Compare a pipelined training run with the unsplit model's (:func:`train_in_process`).
+
+    ``first_grads`` and ``states`` hold, per stage or rank, tensors by original FQN: the
+    gradients of the first step (after tied gradients were summed) and the final values.
+    """
+    ref_losses = reference["losses"]
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)]
+    max_rel = max(rel, default=0.0) if len(losses) == len(ref_losses) else float("inf")
+
+    ref_grads = reference["first_grads"][0] if reference["first_grads"] else {}
+    grad_diff, worst = 0.0, ""
+    for grads in first_grads:
+        for key, grad in grads.items():
+            ref = ref_grads.get(key)
+            diff = float("inf") if ref is None else (grad.float() - ref.float()).abs().max().item()
+            if diff > grad_diff:
+                grad_diff, worst = diff, key
+
+    ref_state = reference["state"][0]
+    ties = []
+    for group in tie_groups:
+        copies = [(key, state[key]) for state in states for key in group if key in state]
+        if not copies:
+            continue
+        first = copies[0][1]
+        ties.append({
+            "keys": list(group),
+            "copies": len(copies),
+            "copies_bitwise_equal": all(torch.equal(first, t) for _, t in copies),
+            "max_abs_diff_vs_reference": max(
+                (t.float() - ref_state[k].float()).abs().max().item() for k, t in copies),
+        })
+    ok = (max_rel <= loss_rtol and grad_diff <= grad_atol and
+          all(t["copies_bitwise_equal"] and t["max_abs_diff_vs_reference"] <= tie_atol for t in ties))
+    return {
+        "losses": list(losses),
+        "reference_losses": list(ref_losses),
+        "max_loss_rel_diff": max_rel,
+        "grad_max_abs_diff": grad_diff,
+        "worst_grad": worst,
+        "ties": ties,
+        "ok": ok,
+    }

@@ -1,0 +1,154 @@
+"""Dispatch one process per rank, locally or to SLURM through submitit, and wait for them with a
+bound: a rank that raises, dies or hangs fails the whole run, naming the rank."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from ppsplit.errors import CheckFailed, PpsplitError
+from ppsplit.run_rank import SCHEDULE_CLASSES, rank_main
+
+PLACEMENTS = {"gpipe": "single", "1f1b": "single", "interleaved_1f1b": "loop", "looped_bfs": "loop",
+              "interleaved_zb": "loop", "zbv": "v", "dualpipev": "v"}
+
+
+@dataclass
+class RankPlan:
+    ranks: int
+    stages_per_rank: int
+    placement: str  # "single", "loop" or "v"
+
+
+def plan_ranks(schedule: str, stages: int, stages_per_rank: int | None, microbatches: int) -> RankPlan:
+    """Map stages to ranks for ``schedule``, refusing combinations the schedule cannot run."""
+    if schedule not in SCHEDULE_CLASSES:
+        raise PpsplitError(f"schedule {schedule!r} is not known; allowed: {', '.join(SCHEDULE_CLASSES)}")
+    placement = PLACEMENTS[schedule]
+    if placement == "single":
+        if stages_per_rank not in (None, 1):
+            raise PpsplitError(
+                f"schedule={schedule} runs one stage per rank, not stages_per_rank={stages_per_rank}; "
+                "use interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev for more"
+            )
+        per_rank = 1
+    else:
+        per_rank = 2 if stages_per_rank is None else stages_per_rank
+        if placement == "v" and per_rank != 2:
+            raise PpsplitError(
+                f"schedule={schedule} needs exactly 2 stages per rank (V placement), "
+                f"not stages_per_rank={per_rank}"
+            )
+        if per_rank < 1:
+            raise PpsplitError(f"schedule.stages_per_rank={per_rank}: must be >= 1")
+        if stages % per_rank:
+            raise PpsplitError(
+                f"stages={stages} is not divisible by schedule.stages_per_rank={per_rank}; "
+                f"allowed: a multiple of {per_rank}"
+            )
+    ranks = stages // per_rank
+    if placement != "single" and microbatches < ranks:
+        raise PpsplitError(
+            f"microbatches={microbatches}: schedule={schedule} needs microbatches >= ranks ({ranks})"
+        )
+    if placement == "v" and ranks < 1:
+        raise PpsplitError(f"schedule={schedule} needs at least 2 stages")
+    return RankPlan(ranks, per_rank, placement)
+
+
+def make_executor(launcher: dict, folder: str, ranks: int, timeout_s: float):
+    import submitit
+
+    name = launcher["name"]
+    cluster = {"local": "local", "slurm": "slurm"}[name]
+    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    params = {
+        "tasks_per_node": launcher.get("tasks_per_node") or ranks,
+        "nodes": launcher.get("nodes", 1),
+        "cpus_per_task": launcher.get("cpus_per_task", 1),
+        "timeout_min": max(1, int(launcher.get("time_min") or (timeout_s // 60 + 2))),
+        "name": "ppsplit",
+    }
+    if name == "slurm":
+        params["slurm_partition"] = launcher.get("partition")
+        if launcher.get("gpus_per_task"):
+            params["slurm_gpus_per_task"] = launcher["gpus_per_task"]
+        extra = dict(launcher.get("additional_parameters") or {})
+        if extra:
+            params["slurm_additional_parameters"] = extra
+        params = {k: v for k, v in params.items() if v is not None}
+    nodes, per_node = params["nodes"], params["tasks_per_node"]
+    if nodes * per_node != ranks:
+        raise PpsplitError(
+            f"launcher nodes={nodes} x tasks_per_node={per_node} gives {nodes * per_node} ranks; "
+            f"this pipeline needs {ranks}"
+        )
+    executor.update_parameters(**params)
+    return executor
+
+
+def submit(task: dict, launcher: dict, folder: str, ranks: int):
+    """Start the ranks; returns the submitit job at once."""
+    os.makedirs(folder, exist_ok=True)
+    executor = make_executor(launcher, folder, ranks, task["timeout_s"])
+    return executor.submit(rank_main, task)
+
+
+def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:
+    """Every rank's result, or :class:`CheckFailed` naming the first rank that failed.
+
+    Bounded by ``timeout_s``: on a failure or the deadline the whole job is cancelled, so the
+    other ranks (blocked in a collective with the dead one) are not left behind.
+    """
+    deadline = time.monotonic() + timeout_s
+    tasks = [job.task(i) for i in range(ranks)]
+    while True:
+        failed = [i for i, task in enumerate(tasks) if task.done() and task.exception() is not None]
+        if failed:
+            # The first rank to fail is often only a neighbour that lost its peer; give the
+            # others a moment to report, then name the rank with a cause of its own.
+            grace = time.monotonic() + 3.0
+            while time.monotonic() < grace and not all(t.done() for t in tasks):
+                time.sleep(poll_s)
+            errors = {i: describe(t.exception(), job) for i, t in enumerate(tasks)
+                      if t.done() and t.exception() is not None}
+            job.cancel(check=False)
+            rank = next((i for i, e in errors.items() if not _lost_peer(e)), min(errors))
+            raise CheckFailed(f"rank {rank} failed: {errors[rank]}")
+        if all(task.done() for task in tasks):
+            return [task.result() for task in tasks]
+        if time.monotonic() > deadline:
+            job.cancel(check=False)
+            raise CheckFailed(
+                f"ranks did not finish within timeout_s={timeout_s:g}; job {job.job_id} cancelled "
+                f"(state: {safe_state(job)})"
+            )
+        time.sleep(poll_s)
+
+
+def _lost_peer(message: str) -> bool:
+    """An error that only says another rank went away."""
+    return any(s in message for s in ("Connection closed by peer", "Connection reset by peer",
+                                       "Broken pipe", "ended without a result"))
+
+
+def safe_state(job) -> str:
+    try:
+        return str(job.state)
+    except Exception:  # the scheduler may not answer; the timeout message still stands
+        return "unknown"
+
+
+def describe(err: BaseException, job) -> str:
+    """One line: the rank's own error (its last traceback line), or the job's state."""
+    text = str(err).strip()
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    errors = [l for l in lines if (":" in l and l.split(":")[0].replace(".", "").isidentifier()
+                                   and (l.split(":")[0].endswith(("Error", "Exception", "Interrupt"))))]
+    if errors:
+        return errors[-1]
+    state = safe_state(job)
+    if "has not produced any output" in text:
+        return f"the process ended without a result (job state: {state})"
+    return lines[-1] if lines else f"{type(err).__name__} (job state: {state})"

@@ -1,0 +1,228 @@
+"""Run one rank: rebuild the split, keep this rank's stages, and train them under a pipeline
+schedule from ``torch.distributed.pipelining``.
+
+The same function runs under submitit's local executor and on SLURM: submitit's
+``TorchDistributedEnvironment`` gives the rank environment in both.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ppsplit import build
+from ppsplit.ties import TieSync
+from ppsplit.trace_split import split as split_model
+
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+def stages_of_rank(rank: int, ranks: int, per_rank: int, placement: str) -> list[int]:
+    """The stage indices rank ``rank`` runs: loop placement gives rank r stages r, r+R, ...;
+    V placement gives it stages r and 2R-1-r, so the first and last stage share rank 0."""
+    if placement == "v":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(per_rank)]
+
+
+def unique_params(modules) -> list[torch.nn.Parameter]:
+    seen, out = set(), []
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _contiguous_outputs(module, args, output):
+    if isinstance(output, tuple):
+        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in output)
+    return output.contiguous() if isinstance(output, torch.Tensor) else output
+
+
+def rank_main(task: dict) -> dict:
+    """The entry point of every rank process; returns what the driver compares."""
+    import submitit
+
+    env = submitit.helpers.TorchDistributedEnvironment().export(
+        set_cuda_visible_devices=False, overwrite=True
+    )
+    if task.get("pid_dir"):
+        os.makedirs(task["pid_dir"], exist_ok=True)
+        with open(os.path.join(task["pid_dir"], f"rank{env.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    torch.set_num_threads(int(task.get("threads", 1)))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{env.local_rank}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", timeout=timedelta(seconds=float(task["timeout_s"]))
+    )
+    try:
+        return train_rank(task, env.rank, env.world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
+    from torch.distributed import pipelining
+
+    s = task["model"]
+    m = task["microbatches"]
+    model = build.build_model(s["class_name"], s["config"], s["pretrained"], task["seed"])
+    loss_fn = build.loss_fn(s["loss"])
+
+    def batch_for(step):
+        return build.make_batch(s["inputs"], model, task["batch_size"], task["seq_len"],
+                                task["seed"], step=step, call_kwargs=s["call_kwargs"])
+
+    example = batch_for(0).microbatches(m)[0]
+    split = split_model(model, example.args, example.kwargs, **task["split"])
+    n_stages = len(split.stages)
+    mine = stages_of_rank(rank, ranks, task["stages_per_rank"], task["placement"])
+    modules = {i: split.stages[i].to(device) for i in mine}
+    split.stages = [modules.get(i) for i in range(n_stages)]  # drop the other ranks' stages
+    rank_of_stage = {i: r for r in range(ranks)
+                     for i in stages_of_rank(r, ranks, task["stages_per_rank"], task["placement"])}
+
+    for module in modules.values():
+        # Stage outputs go over the wire, and gloo sends only contiguous tensors (T5's and
+        # BERT's masks are expanded views). A hook keeps the stage's FQNs untouched.
+        module.register_forward_hook(_contiguous_outputs)
+    pipe_stages = []
+    for i in mine:
+        ins, outs = split.stage_io_meta(i)
+        pipe_stages.append(pipelining.PipelineStage(
+            modules[i], i, n_stages, device,
+            input_args=ins,
+            output_args=outs[0] if len(outs) == 1 else outs,
+        ))
+    schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[task["schedule"]])
+    schedule = schedule_cls(
+        pipe_stages if len(pipe_stages) > 1 or task["placement"] != "single" else pipe_stages[0],
+        n_microbatches=m,
+        loss_fn=loss_fn,
+    )
+    ties = TieSync(split.tie_groups, split.stage_keys, modules, rank_of_stage, rank)
+    params = unique_params(modules.values())
+    optimizer = build.make_optimizer(task["optimizer"], params)
+    debug = task.get("debug", {})
+
+    losses, times, first_grads = [], [], {}
+    for step in range(task["steps"]):
+        if debug.get("crash_rank") == rank and debug.get("crash_step") == step:
+            if debug.get("crash_mode") == "exit":
+                os._exit(3)  # a rank that dies without a word
+            raise RuntimeError(f"injected crash on rank {rank} at step {step}")
+        batch = batch_for(step)
+        args = split.flat_inputs(batch.args, batch.kwargs) if 0 in mine else ()
+        kwargs = {}
+        mb_losses: list[torch.Tensor] = []
+        if n_stages - 1 in mine:
+            kwargs = {"target": batch.labels.to(device), "losses": mb_losses}
+        dist.barrier()
+        start = time.perf_counter()
+        schedule.step(*(a.to(device) for a in args), **kwargs)
+        ties.sum_grads()
+        if step == 0:
+            first_grads = {
+                key: p.grad.detach().cpu().clone()
+                for i in mine for key, p in modules[i].named_parameters(remove_duplicate=False)
+                if p.grad is not None
+            }
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        if debug.get("check_ties"):
+            ties.check_equal(step)
+        if mb_losses:
+            losses.append(torch.stack([l.detach().float() for l in mb_losses]).mean().item())
+
+    keep_all = debug.get("return_state", False)
+    tied_keys = {k for g in split.tie_groups for k in g}
+    state = {
+        i: {k: v.detach().cpu().clone() for k, v in modules[i].state_dict().items()
+            if keep_all or k in tied_keys}
+        for i in mine
+    }
+    checkpoint = task.get("checkpoint_dir")
+    if checkpoint:
+        save_checkpoint(checkpoint, modules)
+    return {
+        "rank": rank,
+        "stages": mine,
+        "losses": losses,
+        "step_times_s": times,
+        "step_time_s": statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None),
+        "first_grads": first_grads,
+        "state": state,
+        "tie_comm_groups": ties.comm_groups(),
+        "pid": os.getpid(),
+    }
+
+
+def save_checkpoint(path: str, modules: dict) -> None:
+    """Save this rank's stages with ``torch.distributed.checkpoint`` under the original FQNs.
+
+    Every rank calls this together; a tied key held by several ranks is one replicated entry.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = {}
+    for module in modules.values():
+        state.update({k: v.detach() for k, v in module.state_dict().items()})
+    dcp.save(state, checkpoint_id=path)
+
+
+def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, optimizer_spec,
+                     after_backward=None) -> dict:
+    """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as the
+    schedules do: mean of the microbatch losses, then ``after_backward``, then one optimizer step.
+
+    ``modules`` are what holds the parameters; gradients of the first step and the final state
+    are returned by FQN, per module.
+    """
+    optimizer = build.make_optimizer(optimizer_spec, unique_params(modules))
+    optimizer.zero_grad(set_to_none=True)  # start from no gradients, whatever ran before
+    losses, times, first_grads = [], [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        total = 0.0
+        for mb in batch_for(step).microbatches(microbatches):
+            loss = loss_fn(forward(*mb.args, **mb.kwargs), mb.labels)
+            (loss / microbatches).backward()
+            total += loss.item()
+        if after_backward is not None:
+            after_backward()
+        if step == 0:
+            first_grads = [
+                {k: p.grad.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)
+                 if p.grad is not None}
+                for m in modules
+            ]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(total / microbatches)
+    return {
+        "losses": losses,
+        "step_times_s": times,
+        "step_time_s": statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None),
+        "first_grads": first_grads,
+        "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules],
+    }
