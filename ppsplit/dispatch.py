@@ -106,16 +106,7 @@ def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:
     while True:
         failed = [i for i, task in enumerate(tasks) if task.done() and task.exception() is not None]
         if failed:
-            # The first rank to fail is often only a neighbour that lost its peer; give the
-            # others a moment to report, then name the rank with a cause of its own.
-            grace = time.monotonic() + 3.0
-            while time.monotonic() < grace and not all(t.done() for t in tasks):
-                time.sleep(poll_s)
-            errors = {i: describe(t.exception(), job) for i, t in enumerate(tasks)
-                      if t.done() and t.exception() is not None}
-            job.cancel(check=False)
-            rank = next((i for i, e in errors.items() if not _lost_peer(e)), min(errors))
-            raise CheckFailed(f"rank {rank} failed: {errors[rank]}")
+            raise CheckFailed(_root_cause(job, tasks, poll_s, min(30.0, max(3.0, deadline - time.monotonic()))))
         if all(task.done() for task in tasks):
             return [task.result() for task in tasks]
         if time.monotonic() > deadline:
@@ -127,10 +118,32 @@ def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:
         time.sleep(poll_s)
 
 
-def _lost_peer(message: str) -> bool:
-    """An error that only says another rank went away."""
-    return any(s in message for s in ("Connection closed by peer", "Connection reset by peer",
-                                       "Broken pipe", "ended without a result"))
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
+             "Socket Timeout", "remote worker")
+
+
+def _cause_rank(message: str) -> int:
+    """0: the rank's own error; 1: it died without a word; 2: it only lost a peer."""
+    if any(s in message for s in LOST_PEER):
+        return 2
+    return 1 if "ended without a result" in message else 0
+
+
+def _root_cause(job, tasks, poll_s: float, grace_s: float) -> str:
+    """Name the rank that caused a failure, not a neighbour that merely lost it.
+
+    A neighbour's 'connection closed' usually arrives first, a dead rank's missing result last;
+    wait (bounded) for a rank with a cause of its own, then cancel the job."""
+    end = time.monotonic() + grace_s
+    while True:
+        errors = {i: describe(t.exception(), job) for i, t in enumerate(tasks)
+                  if t.done() and t.exception() is not None}
+        ranked = sorted(errors, key=lambda i: (_cause_rank(errors[i]), i))
+        best = ranked[0]
+        if _cause_rank(errors[best]) == 0 or time.monotonic() > end or all(t.done() for t in tasks):
+            job.cancel(check=False)
+            return f"rank {best} failed: {errors[best]}"
+        time.sleep(poll_s)
 
 
 def safe_state(job) -> str:

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppsplit import build, report
+from ppsplit.plan import balance, stage_costs
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
 
@@ -28,9 +29,25 @@ def model_settings(cfg: DictConfig) -> dict:
 
 
 def split_args(cfg: DictConfig) -> dict:
-    if cfg.split.name == "manual":
-        return {"points": list(cfg.split.points)}
-    return {"stages": int(cfg.stages)}
+    """The keyword arguments of :func:`ppsplit.split` that ``cfg.split`` describes."""
+    sp = cfg.split
+    if sp.name == "manual":
+        return {"points": list(sp.points)}
+    if sp.name == "layers":
+        layers = list(sp.layers) if sp.get("layers") else None
+        return {"strategy": "layers", "layers": layers, "stages": None if layers else int(cfg.stages),
+                "first_stage_less": int(sp.get("first_stage_less") or 0),
+                "last_stage_less": int(sp.get("last_stage_less") or 0)}
+    return {"strategy": sp.name, "stages": int(cfg.stages), "microbatches": int(cfg.microbatches)}
+
+
+def stage_count(cfg: DictConfig) -> int:
+    sp = cfg.split
+    if sp.name == "manual":
+        return len(sp.points) + 1
+    if sp.name == "layers" and sp.get("layers"):
+        return len(sp.layers)
+    return int(cfg.stages)
 
 
 def task_for(cfg: DictConfig, settings: dict, plan, output_dir: str) -> dict:
@@ -74,9 +91,9 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
     build.loss_fn(settings["loss"])  # refuse an unknown loss before building anything
     build.make_optimizer(OmegaConf.to_container(cfg.optimizer, resolve=True), [torch.zeros(1, requires_grad=True)])
     distributed = cfg.launcher.name != "inline"
-    stages_wanted = len(cfg.split.points) + 1 if cfg.split.name == "manual" else cfg.stages
-    plan = plan_for(cfg, stages_wanted)  # impossible schedules are refused before any work
+    plan = plan_for(cfg, stage_count(cfg))  # impossible schedules are refused before any work
 
+    started_at = time.time()
     t0 = time.perf_counter()
     model = build.build_model(settings["class_name"], settings["config"], settings["pretrained"], cfg.seed)
     loss_fn = build.loss_fn(settings["loss"])
@@ -102,11 +119,14 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
     numerics = verify_numerics(model, split, microbatches, loss_fn)
     t3 = time.perf_counter()
 
-    rows = report.stage_rows(split)
+    costs = stage_costs(split, cfg.microbatches)
+    rows = report.stage_rows(split, costs)
+    balance_of = {kind: balance(values) for kind, values in costs.items()}
     numerics_ok = numerics.ok(cfg.tolerance)
     print(f"ppsplit: {cfg.model.name} ({settings['class_name']}) in {len(split)} stages, "
           f"split at {', '.join(split.points) or '(none)'}")
     print(report.format_table(rows))
+    print(f"balance (max/mean): params {balance_of['params']:.3f}, flops {balance_of['flops']:.3f}")
     for group in fqn.tied:
         print(f"tied: {' = '.join(group['keys'])}  (stages {', '.join(map(str, group['stages']))})")
     print(f"FQN check: {'passed' if fqn.ok else 'FAILED'}: {fqn.original_keys} original keys"
@@ -127,11 +147,14 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
         "stages": len(split),
         "split_strategy": cfg.split.name,
         "split_points": split.points,
+        "balance": balance_of,
         "fqn_check": fqn.as_dict(),
         "stage_info": rows,
         "numerics": {**numerics.as_dict(), "ok": numerics_ok, "tolerance": cfg.tolerance},
         "run": run,
         "timings_s": {"build": t1 - t0, "split": t2 - t1, "verify": t3 - t2},
+        "started_at": started_at,
+        "finished_at": time.time(),
         "ok": ok,
     }
     path = os.path.join(output_dir, "report.json")
@@ -143,7 +166,7 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
 def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir) -> dict:
     """Train the stages (in this process, or on the ranks) and the unsplit model on the same data
     and steps, and compare them."""
-    from ppsplit.run_rank import train_in_process
+    from ppsplit.run_rank import tensor_digest, train_in_process
     from ppsplit.ties import TieSync
     from ppsplit.verify import compare_training
 
@@ -156,6 +179,7 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
                                      loss_fn, optimizer, after_backward=ties.sum_grads)
         losses, first_grads, states = pipelined["losses"], pipelined["first_grads"], pipelined["state"]
         step_time = pipelined["step_time_s"]
+        digests = {k: tensor_digest(v) for m in split.stages for k, v in m.state_dict().items()}
         ckpt = checkpoint_dir(cfg, output_dir)
         if ckpt:
             from ppsplit.run_rank import save_checkpoint
@@ -172,6 +196,7 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
         first_grads = [r["first_grads"] for r in results]
         states = [st for r in results for st in r["state"].values()]
         step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
+        digests = {k: v for r in results for k, v in r["digests"].items()}
     cmp = compare_training(reference, losses, first_grads, states, split.tie_groups)
     return {
         "launcher": cfg.launcher.name,
@@ -183,6 +208,7 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
         **cmp,
         "step_time_s": step_time,
         "checkpoint": checkpoint_dir(cfg, output_dir),
+        "final_state_digests": digests,
         "tie_comm_groups": results[0]["tie_comm_groups"] if results else [],
         "rank_pids": [r["pid"] for r in results] if results else [],
     }

@@ -7,27 +7,28 @@ import os
 import tempfile
 
 
-def stage_rows(split) -> list[dict]:
-    """One row per stage: its blocks, parameter count and state_dict keys."""
+def stage_rows(split, costs: dict) -> list[dict]:
+    """One row per stage: its blocks, parameters, FLOPs and state_dict keys."""
     rows = []
-    for index, (stage, keys) in enumerate(zip(split.stages, split.stage_keys)):
-        params = {id(p): p.numel() for p in stage.parameters()}
+    for index, keys in enumerate(split.stage_keys):
         blocks = [b for b in split.blocks if b in split.stage_modules[index]]
         rows.append({
             "index": index,
             "first_block": blocks[0] if blocks else None,
             "last_block": blocks[-1] if blocks else None,
-            "num_params": sum(params.values()),
+            "num_blocks": len(blocks),
+            "num_params": int(costs["params"][index]),
+            "flops": costs["flops"][index],
             "state_dict_keys": len(keys),
         })
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("stage", "first block", "last block", "params", "keys")
+    head = ("stage", "first block", "last block", "params", "GFLOP", "keys")
     body = [
         (str(r["index"]), r["first_block"] or "-", r["last_block"] or "-",
-         f"{r['num_params']:,}", str(r["state_dict_keys"]))
+         f"{r['num_params']:,}", f"{r['flops'] / 1e9:.3f}", str(r["state_dict_keys"]))
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]

@@ -7,6 +7,7 @@ The same function runs under submitit's local executor and on SLURM: submitit's
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import time
@@ -128,6 +129,8 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
         if debug.get("crash_rank") == rank and debug.get("crash_step") == step:
             if debug.get("crash_mode") == "exit":
                 os._exit(3)  # a rank that dies without a word
+            if debug.get("crash_mode") == "hang":
+                time.sleep(24 * 3600)  # a rank that never answers
             raise RuntimeError(f"injected crash on rank {rank} at step {step}")
         batch = batch_for(step)
         args = split.flat_inputs(batch.args, batch.kwargs) if 0 in mine else ()
@@ -171,9 +174,16 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
         "step_time_s": statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None),
         "first_grads": first_grads,
         "state": state,
+        "digests": {k: tensor_digest(v) for i in mine for k, v in modules[i].state_dict().items()},
         "tie_comm_groups": ties.comm_groups(),
         "pid": os.getpid(),
     }
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A short hash of a tensor's values, to prove two copies equal without shipping them."""
+    data = tensor.detach().cpu().contiguous()
+    return hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()[:16]
 
 
 def save_checkpoint(path: str, modules: dict) -> None:

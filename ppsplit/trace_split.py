@@ -54,6 +54,8 @@ class Split:
     stage_outputs: list[list[str]]
     program: ExportedProgram = field(repr=False)
     blocks: list[str] = field(default_factory=list)  # the model's repeated blocks, in run order
+    positions: list[int] = field(default_factory=list)  # graph node index where each stage > 0 begins
+    strategy: str = "manual"
     stage_modules: list[set[str]] = field(repr=False, default_factory=list)  # modules each runs
     _in_spec: pytree.TreeSpec = field(repr=False, default=None)
     _input_leaves: list[int] = field(repr=False, default_factory=list)
@@ -225,24 +227,54 @@ def split(
     *,
     stages: int | None = None,
     points: Sequence[str] | None = None,
+    strategy: str = "even",
+    layers: Sequence[int] | None = None,
+    first_stage_less: int = 0,
+    last_stage_less: int = 0,
+    microbatches: int = 1,
     program: ExportedProgram | None = None,
 ) -> Split:
     """Cut ``model`` into pipeline stages whose FQNs are the original's.
 
-    Give ``stages`` for an even split over the model's repeated blocks, or ``points``: module
-    FQNs where a stage begins. ``args``/``kwargs`` are example inputs; the stages are traced at
-    their shapes. ``model`` is not modified.
+    Give ``points`` (module FQNs where a stage begins), or ``stages`` and a ``strategy`` over the
+    model's repeated blocks: ``even`` (equal block counts), ``layers`` (``layers=[3, 4, 4, 3]``,
+    or ``first_stage_less``/``last_stage_less``), ``params`` or ``flops`` (minimise the largest
+    stage's parameters or forward+backward FLOPs at the traced shapes times ``microbatches``).
+    ``args``/``kwargs`` are example inputs (one microbatch); the stages are traced at their
+    shapes. ``model`` is not modified.
     """
-    if (stages is None) == (points is None):
-        raise PpsplitError("give exactly one of stages= (even split) or points= (module FQNs)")
+    from ppsplit import plan
+
+    if points is not None and (stages is not None or layers):
+        raise PpsplitError("give either points= (module FQNs) or stages=/layers=, not both")
+    if points is None and stages is None and not layers:
+        raise PpsplitError("give stages= (with a strategy) or points= (module FQNs where stages begin)")
+    if points is None and strategy not in plan.STRATEGIES[2:] + ("even",):
+        raise PpsplitError(
+            f"split strategy {strategy!r} is not known; allowed: even, layers, params, flops "
+            "(or points= for a manual split)"
+        )
     program = program if program is not None else export(model, args, kwargs)
     run_order = module_run_order(program)
     blocks = find_blocks(model, run_order)
     if points is None:
-        points = even_points(blocks, stages)
+        if strategy == "layers":
+            sizes = plan.layer_sizes(len(blocks), stages, layers, first_stage_less, last_stage_less)
+            points = plan.points_from_sizes(blocks, sizes)
+        elif strategy == "even":
+            points = even_points(blocks, stages)
+        else:
+            even_points(blocks, stages)  # the same limits on the stage count
+            costs = plan.unit_costs(model, program, blocks, run_order, microbatches)[strategy]
+            points = plan.points_from_sizes(blocks, plan.linear_partition(costs, stages))
+        chosen = strategy
+    else:
+        chosen = "manual"
     points = list(points)
     positions = _point_positions(model, points, run_order)
-    return _build_split(model, program, points, positions, blocks)
+    result = _build_split(model, program, points, positions, blocks)
+    result.strategy = chosen
+    return result
 
 
 def _build_split(model, program, points, positions, blocks) -> Split:
@@ -325,6 +357,7 @@ def _build_split(model, program, points, positions, blocks) -> Split:
         stage_outputs=[[n.name for n in outs] for outs in stage_out],
         program=program,
         blocks=blocks,
+        positions=list(positions),
         stage_modules=carried,
         _in_spec=program.call_spec.in_spec,
         _input_leaves=_tensor_input_leaves(sig),

@@ -46,7 +46,7 @@ def test_fqns_partition_state_dict_and_numerics_match(model, stages):
 
 @pytest.mark.parametrize("model", list(BLOCKS))
 def test_main_job_writes_report(tmp_path, model):
-    cfg = compose_cfg(f"model={model}", "stages=2")
+    cfg = compose_cfg(f"model={model}", "stages=2", "launcher=inline")
     assert run(cfg, str(tmp_path)) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["model"] == model and data["stages"] == 2 and len(data["split_points"]) == 1
@@ -59,6 +59,7 @@ def test_main_job_writes_report(tmp_path, model):
     assert [r["index"] for r in data["stage_info"]] == [0, 1]
     for key in ("forward_max_abs_diff", "loss_abs_diff", "grad_max_abs_diff"):
         assert data["numerics"][key] <= 1e-5
+    assert data["run"]["launcher"] == "inline" and data["run"]["max_loss_rel_diff"] <= 1e-5
 
 
 def test_layer_numbering_is_kept():

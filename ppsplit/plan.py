@@ -1,0 +1,186 @@
+"""Choose where stages begin: by block counts, or balanced by parameters or FLOPs.
+
+The candidate cut points are the starts of the model's repeated blocks. The graph between two
+block starts is one *unit*; the first unit also carries what runs before the first block
+(embeddings, masks, rotary tables) and the last carries what runs after the last block (final
+norm, head, loss). A strategy's stages are contiguous runs of units, and ``params``/``flops``
+pick the runs that minimise the largest stage's cost: an exact linear-partition dynamic
+programme, not a greedy fill.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+from functools import reduce
+from typing import Sequence
+
+import torch
+from torch.export.graph_signature import InputKind
+
+from ppsplit.errors import PpsplitError
+
+STRATEGIES = ("even", "manual", "layers", "params", "flops")
+# Cross-entropy over the logits is not a graph op (the loss runs outside the stages); count it
+# as a few FLOPs per logit (max, exp, sum, log forward; softmax minus one-hot backward).
+LOSS_FLOPS_PER_LOGIT = 6
+# Backward of a matmul computes two products of the forward's size (input and weight grads).
+BACKWARD_FACTOR = 2
+
+
+def _numel(shape) -> int:
+    return int(reduce(operator.mul, [int(s) for s in shape], 1))
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+
+def node_forward_flops(node: torch.fx.Node) -> int:
+    """Forward FLOPs of one graph op: matmul-class ops counted exactly from their shapes; other
+    ops (elementwise, norms, gathers) are memory-bound and count as zero."""
+    if node.op != "call_function":
+        return 0
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    args = [_val(a) for a in node.args]
+    out = node.meta.get("val")
+    try:
+        if name in ("linear", "matmul", "mm", "bmm") and isinstance(out, torch.Tensor):
+            return 2 * out.numel() * int(args[0].shape[-1])
+        if name in ("addmm", "baddbmm") and isinstance(out, torch.Tensor):
+            return 2 * out.numel() * int(args[1].shape[-1])
+        if name == "scaled_dot_product_attention":
+            q, k, v = args[:3]
+            lq, lk = int(q.shape[-2]), int(k.shape[-2])
+            batch_heads = _numel(q.shape[:-2])
+            return 2 * batch_heads * lq * lk * (int(q.shape[-1]) + int(v.shape[-1]))
+    except (AttributeError, IndexError, TypeError):
+        return 0
+    return 0
+
+
+def unit_bounds(run_order: dict[str, int], blocks: Sequence[str], n_nodes: int) -> list[tuple[int, int]]:
+    """[start, end) node ranges of the units, one per block."""
+    starts = [run_order[b] for b in blocks]
+    return [(0 if i == 0 else s, starts[i + 1] if i + 1 < len(starts) else n_nodes)
+            for i, s in enumerate(starts)]
+
+
+def unit_costs(model, program, blocks: Sequence[str], run_order: dict[str, int],
+               microbatches: int = 1) -> dict[str, list[float]]:
+    """Per unit: ``params`` (distinct parameters its ops read; a tied tensor counts in every
+    unit that reads it) and ``flops`` (forward + backward at the traced microbatch, times
+    ``microbatches``; the loss counted in the last unit)."""
+    nodes = list(program.graph.nodes)
+    bounds = unit_bounds(run_order, blocks, len(nodes))
+    starts = [b[0] for b in bounds]
+    named = dict(model.named_parameters(remove_duplicate=False))
+    target = {s.arg.name: s.target for s in program.graph_signature.input_specs
+              if s.kind == InputKind.PARAMETER}
+    params: list[dict[int, int]] = [dict() for _ in bounds]
+    flops = [0.0] * len(bounds)
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        unit = bisect.bisect_right(starts, i) - 1
+        flops[unit] += node_forward_flops(node) * (1 + BACKWARD_FACTOR)
+        for arg in node.all_input_nodes:
+            fqn = target.get(arg.name)
+            if fqn is not None and fqn in named:
+                params[unit][id(named[fqn])] = named[fqn].numel()
+    flops[-1] += LOSS_FLOPS_PER_LOGIT * _logits_numel(program)
+    return {"params": [float(sum(p.values())) for p in params],
+            "flops": [f * microbatches for f in flops]}
+
+
+def _logits_numel(program) -> int:
+    out = list(program.graph.nodes)[-1].args[0]
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    val = _val(first)
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def linear_partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous non-empty groups of ``costs`` minimising the largest sum.
+
+    Exact dynamic programme, O(parts * n^2); ties go to the partition whose earlier stages are
+    larger (the last stage also runs the loss and the optimizer's largest tensors)."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise PpsplitError(f"stages={parts}: must be between 1 and the {n} blocks")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost <= best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    sizes, j = [], n
+    for k in range(parts, 0, -1):
+        i = cut[k][j]
+        sizes.append(j - i)
+        j = i
+    return sizes[::-1]
+
+
+def points_from_sizes(blocks: Sequence[str], sizes: Sequence[int]) -> list[str]:
+    starts = [sum(sizes[:i]) for i in range(1, len(sizes))]
+    return [blocks[i] for i in starts]
+
+
+def layer_sizes(n_blocks: int, stages: int | None, layers: Sequence[int] | None,
+                first_stage_less: int = 0, last_stage_less: int = 0) -> list[int]:
+    """Blocks per stage: explicit ``layers``, or an even split in which the first and last
+    stages take ``first_stage_less`` / ``last_stage_less`` fewer blocks (they also run the
+    embedding and the head)."""
+    if layers:
+        sizes = [int(x) for x in layers]
+        if any(s < 1 for s in sizes) or sum(sizes) != n_blocks:
+            raise PpsplitError(
+                f"split.layers={list(sizes)}: needs positive counts that add up to the model's "
+                f"{n_blocks} blocks"
+            )
+        return sizes
+    if stages is None or stages < 1:
+        raise PpsplitError(f"stages={stages}: must be at least 1")
+    if first_stage_less < 0 or last_stage_less < 0:
+        raise PpsplitError("split.first_stage_less and split.last_stage_less must be >= 0")
+    virtual = n_blocks + first_stage_less + (last_stage_less if stages > 1 else 0)
+    base, extra = divmod(virtual, stages)
+    sizes = [base + (1 if i < extra else 0) for i in range(stages)]
+    sizes[0] -= first_stage_less
+    if stages > 1:
+        sizes[-1] -= last_stage_less
+    if any(s < 1 for s in sizes) or stages > n_blocks:
+        raise PpsplitError(
+            f"stages={stages} with first_stage_less={first_stage_less}, "
+            f"last_stage_less={last_stage_less} leaves a stage without blocks ({sizes}); "
+            f"the model has {n_blocks} blocks"
+        )
+    return sizes
+
+
+def stage_costs(split, microbatches: int = 1) -> dict[str, list[float]]:
+    """Each stage's parameters (distinct tensors it holds) and forward+backward FLOPs."""
+    nodes = list(split.program.graph.nodes)
+    flops = [0.0] * len(split.stages)
+    for i, node in enumerate(nodes):
+        if node.op == "call_function":
+            flops[bisect.bisect_right(split.positions, i)] += node_forward_flops(node) * (1 + BACKWARD_FACTOR)
+    flops[-1] += LOSS_FLOPS_PER_LOGIT * _logits_numel(split.program)
+    params = []
+    for stage in split.stages:
+        params.append(float(sum({id(p): p.numel() for p in stage.parameters()}.values())))
+    return {"params": params, "flops": [f * microbatches for f in flops]}
+
+
+def balance(costs: Sequence[float]) -> float:
+    """max/mean: 1.0 is perfectly balanced; the pipeline runs at the pace of the max."""
+    mean = sum(costs) / len(costs) if costs else 0.0
+    return max(costs) / mean if mean else 1.0

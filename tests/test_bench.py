@@ -1,0 +1,94 @@
+"""Smoke test of bench/: every benchmark runs in quick mode and writes the JSON it promises.
+
+Timings are never asserted on; only the shape of the results.
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # bench/ sits beside tests/, not inside the installed package
+    sys.path.insert(0, ROOT)
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def run_quick(name, tmp_path):
+    import importlib
+
+    module = importlib.import_module(f"bench.{name}")
+    returned = module.main(quick=True, out_dir=str(tmp_path))
+    path = tmp_path / f"{name}.json"
+    assert path.is_file()
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == name and data["quick"] is True
+    assert data["threads"] == 1
+    machine = data["machine"]
+    for key in ("cpu_count", "torch_version", "torch_threads", "date"):
+        assert key in machine
+    assert machine["torch_threads"] == 1
+    assert positive(data["ratio"]) and data["ratio"] == returned["ratio"]
+    return data
+
+
+def check_sides(row, sides):
+    for side in sides:
+        s = row[side]
+        assert all(positive(s[k]) for k in ("median", "min", "max"))
+        assert s["min"] <= s["median"] <= s["max"]
+
+
+def test_split_time(tmp_path):
+    data = run_quick("split_time", tmp_path)
+    check_sides(data["main"], ("ppsplit", "pipeline"))
+    assert positive(data["main"]["ratio"]) and isinstance(data["main"]["meets_target"], bool)
+    assert data["series"]
+    for row in data["series"]:
+        check_sides(row, ("ppsplit", "pipeline"))
+        assert positive(row["ratio"])
+        assert positive(row["ppsplit_per_layer_s"]) and positive(row["pipeline_per_layer_s"])
+    assert set(data["series_fit"]) == {"ppsplit", "pipeline"}
+    assert isinstance(data["warnings"], list)
+
+
+def test_stage_overhead(tmp_path):
+    data = run_quick("stage_overhead", tmp_path)
+    assert data["sizes"]
+    for row in data["sizes"]:
+        check_sides(row, ("generated", "interpreter", "eager", "eager_mask"))
+        for key in ("generated_over_eager", "interpreter_over_eager", "eager_mask_over_eager"):
+            assert positive(row[key])
+        assert row["max_abs_diff_vs_eager"] == {"generated": 0.0, "interpreter": 0.0}
+
+
+def test_tied_memory(tmp_path):
+    data = run_quick("tied_memory", tmp_path)
+    assert positive(data["original_bytes"])
+    for side in ("ppsplit", "pipeline"):
+        assert len(data[side]["stage_bytes"]) == 2
+        assert all(positive(b) for b in data[side]["stage_bytes"])
+        assert positive(data[side]["ratio"])
+
+
+@pytest.mark.slow
+def test_pipeline_efficiency(tmp_path):
+    data = run_quick("pipeline_efficiency", tmp_path)
+    assert positive(data["t1"]["median"])
+    assert data["points"]
+    for row in data["points"]:
+        assert row["ok"], row.get("error") or row.get("output_tail")
+        assert positive(row["step_time_s"]) and positive(row["ideal_s"]) and positive(row["ratio"])
+
+
+def test_cli_rejects_unknown_benchmark(capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--only", "nope"])
+    assert exc.value.code == 2

@@ -1,0 +1,80 @@
+"""The real SLURM cluster (launchers/slurm/up.sh): jobs submitted through submitit, sweeps as
+concurrent jobs, failures and time-outs reported."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from ppsplit import CheckFailed
+from ppsplit.cli import run
+from conftest import run_cli
+from helpers import compose_cfg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slurm_cluster():
+    """Bring the cluster up (idempotent: quick when it already runs)."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launchers", "slurm", "up.sh")],
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        pytest.fail(f"launchers/slurm/up.sh failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def report_of(folder):
+    return json.loads((folder / "report.json").read_text())
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+@pytest.mark.parametrize("model", ["gpt2", "t5"])
+def test_slurm_run_equals_local_run(tmp_path, model, launcher):
+    assert run(compose_cfg(f"model={model}", "launcher=slurm"), str(tmp_path / "slurm")) == 0
+    assert run(compose_cfg(f"model={model}", "launcher=local"), str(tmp_path / "local")) == 0
+    slurm, local = report_of(tmp_path / "slurm")["run"], report_of(tmp_path / "local")["run"]
+    assert slurm["launcher"] == "slurm" and slurm["ok"]
+    assert slurm["losses"] == pytest.approx(local["losses"], rel=1e-7)
+    assert slurm["final_state_digests"] == local["final_state_digests"]
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_slurm_rank_crash_is_named(tmp_path, launcher):
+    cfg = compose_cfg("model=gpt2", "launcher=slurm", "debug.crash_rank=1", "debug.crash_step=1")
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match="rank 1 failed: RuntimeError: injected crash on rank 1"):
+        run(cfg, str(tmp_path))
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_slurm_job_past_its_timeout_is_cancelled_and_says_so(tmp_path, launcher):
+    cfg = compose_cfg("model=gpt2", "launcher=slurm", "debug.crash_rank=0", "debug.crash_step=0",
+                      "debug.crash_mode=hang", "timeout_s=25")
+    with pytest.raises(CheckFailed, match=r"did not finish within timeout_s=25; job \d+ cancelled"):
+        run(cfg, str(tmp_path))
+    job_id = [l for l in os.listdir(tmp_path / "submitit") if l.endswith("_submission.sh")]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the cancelled job leaves the queue
+        out = subprocess.run(["squeue", "-h", "-n", "ppsplit", "-o", "%i %T"], capture_output=True,
+                             text=True).stdout
+        if not any(j.split("_")[0] in out for j in job_id):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"job still queued: {out}")
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_slurm_sweep_runs_points_as_concurrent_jobs(tmp_path, launcher):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "launcher=slurm", "model=gpt2", "seed=0,1", f"hydra.sweep.dir={sweep}",
+                   cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = [report_of(sweep / str(i)) for i in (0, 1)]
+    assert all(r["ok"] and r["run"]["launcher"] == "slurm" for r in reports)
+    (a0, a1), (b0, b1) = [(r["started_at"], r["finished_at"]) for r in reports]
+    assert a0 < b1 and b0 < a1, "the sweep points ran one after another"
