@@ -68,25 +68,30 @@ def main(cfg: DictConfig) -> int:
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     single = hydra_cfg.mode == RunMode.RUN
+    message = None
     try:
         code = run(cfg, output_dir)
     except PpsplitError as err:
-        print(f"ppsplit: error: {err}", file=sys.stderr)
-        if single:
-            _clean_run_dir(output_dir)
-        code = 2
+        message, code = f"ppsplit: error: {err}", 2
     except CheckFailed as err:
-        print(f"ppsplit: check failed: {err}", file=sys.stderr)
-        code = 1
+        message, code = f"ppsplit: check failed: {err}", 1
     except Exception as err:  # a failure inside torch or transformers: one line, not a traceback
         if os.environ.get("PPSPLIT_DEBUG"):
             traceback.print_exc()
         first = (str(err).strip().splitlines() or [""])[0]
-        print(f"ppsplit: failed: {type(err).__name__}: {first} (PPSPLIT_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        message = f"ppsplit: failed: {type(err).__name__}: {first} (PPSPLIT_DEBUG=1 shows the traceback)"
         code = 1
-    if single and code:
-        sys.exit(code)
+    if message:
+        print(message, file=sys.stderr)
+    if single:
+        if code == 2:
+            _clean_run_dir(output_dir)
+        if code:
+            sys.exit(code)
+    elif message:  # a sweep goes on; its summary says why this point failed
+        from ppsplit.report import write_json
+
+        write_json(os.path.join(output_dir, "error.json"), {"ok": False, "exit_status": code, "error": message})
     return code
 
 

@@ -3,6 +3,7 @@ bound: a rank that raises, dies or hangs fails the whole run, naming the rank.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -92,7 +93,23 @@ def submit(task: dict, launcher: dict, folder: str, ranks: int):
     """Start the ranks; returns the submitit job at once."""
     os.makedirs(folder, exist_ok=True)
     executor = make_executor(launcher, folder, ranks, task["timeout_s"])
-    return executor.submit(rank_main, task)
+    with _outside_any_job():
+        return executor.submit(rank_main, task)
+
+
+@contextlib.contextmanager
+def _outside_any_job():
+    """Submit as if from a login shell. A sweep point's driver runs inside a SLURM job (and a
+    submitit one); sbatch would hand that job's SLURM_* and SUBMITIT_* variables to the ranks,
+    which then look for their work in the driver's job folder."""
+    saved = {k: v for k, v in os.environ.items()
+             if k.startswith(("SUBMITIT_", "SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:

@@ -153,7 +153,11 @@ def layer_sizes(n_blocks: int, stages: int | None, layers: Sequence[int] | None,
         raise PpsplitError("split.first_stage_less and split.last_stage_less must be >= 0")
     virtual = n_blocks + first_stage_less + (last_stage_less if stages > 1 else 0)
     base, extra = divmod(virtual, stages)
-    sizes = [base + (1 if i < extra else 0) for i in range(stages)]
+    # Remainder blocks go to the middle stages first: the ends are the ones asked to be lighter.
+    order = list(range(1, stages - 1)) + [0, stages - 1][: min(2, stages)]
+    sizes = [base] * stages
+    for i in order[:extra]:
+        sizes[i] += 1
     sizes[0] -= first_stage_less
     if stages > 1:
         sizes[-1] -= last_stage_less

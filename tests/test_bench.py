@@ -46,7 +46,8 @@ def check_sides(row, sides):
 
 def test_split_time(tmp_path):
     data = run_quick("split_time", tmp_path)
-    check_sides(data["main"], ("ppsplit", "pipeline"))
+    check_sides(data["main"], ("ppsplit", "pipeline", "ppsplit_split_only"))
+    assert positive(data["main"]["split_only_ratio"])
     assert positive(data["main"]["ratio"]) and isinstance(data["main"]["meets_target"], bool)
     assert data["series"]
     for row in data["series"]:
@@ -86,7 +87,7 @@ def test_pipeline_efficiency(tmp_path):
         assert positive(row["step_time_s"]) and positive(row["ideal_s"]) and positive(row["ratio"])
 
 
-def test_cli_rejects_unknown_benchmark(capsys):
+def test_cli_rejects_unknown_benchmark():
     from bench.__main__ import main
 
     with pytest.raises(SystemExit) as exc:

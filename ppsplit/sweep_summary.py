@@ -1,0 +1,108 @@
+"""After a Hydra multirun: one row per point in ``summary.csv`` and ``summary.md``, and a plot
+comparing the points (``summary.png``), in the sweep folder. A point that failed gets a row
+that says why; the others are unaffected."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+COLUMNS = ("point", "overrides", "model", "stages", "strategy", "split_points", "balance_params",
+           "balance_flops", "check", "step_time_s", "max_loss_rel_diff", "error")
+
+
+def point_dirs(sweep_dir: Path) -> list[Path]:
+    dirs = [d for d in sweep_dir.iterdir() if d.is_dir() and (d / ".hydra").is_dir()]
+    return sorted(dirs, key=lambda d: (0, int(d.name)) if d.name.isdigit() else (1, d.name))
+
+
+def summary_row(point: Path) -> dict[str, Any]:
+    overrides_file = point / ".hydra" / "overrides.yaml"
+    overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+    row: dict[str, Any] = {c: "" for c in COLUMNS}
+    row.update(point=point.name, overrides=" ".join(overrides))
+    report, error = point / "report.json", point / "error.json"
+    if report.exists():
+        data = json.loads(report.read_text())
+        run = data.get("run") or {}
+        row.update(
+            model=data["model"], stages=data["stages"], strategy=data.get("split_strategy", ""),
+            split_points=" ".join(data["split_points"]),
+            balance_params=round(data["balance"]["params"], 4),
+            balance_flops=round(data["balance"]["flops"], 4),
+            check="passed" if data["ok"] else "FAILED",
+            step_time_s="" if run.get("step_time_s") is None else round(run["step_time_s"], 6),
+            max_loss_rel_diff="" if not run else run["max_loss_rel_diff"],
+            stage_flops=[s["flops"] for s in data["stage_info"]],
+        )
+    elif error.exists():
+        data = json.loads(error.read_text())
+        row.update(check="error", error=data.get("error", ""))
+    else:
+        row.update(check="error", error="the point wrote no report (it did not finish)")
+    return row
+
+
+def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
+    sweep = Path(sweep_dir)
+    rows = [summary_row(p) for p in point_dirs(sweep)]
+    with open(sweep / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = [str(row[c]).replace("|", "\\|") for c in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    (sweep / "summary.md").write_text("\n".join(lines) + "\n")
+    plot(rows, sweep / "summary.png")
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Stage FLOPs stacked per point; step time (where the ranks ran) on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    labels = [f"{r['point']}\n{r['model']} {r['strategy']}\nS={r['stages']}" if r["model"] else
+              f"{r['point']}\n(error)" for r in rows]
+    labelled: set[int] = set()
+    for x, row in enumerate(rows):
+        bottom = 0.0
+        for i, flops in enumerate(row.get("stage_flops") or []):
+            ax.bar(x, flops / 1e9, bottom=bottom, color=plt.cm.tab10(i % 10),
+                   label=None if i in labelled else f"stage {i}")
+            labelled.add(i)
+            bottom += flops / 1e9
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("stage forward+backward GFLOP (stacked)")
+    times = [(x, r["step_time_s"]) for x, r in enumerate(rows) if r["step_time_s"] != ""]
+    if times:
+        ax2 = ax.twinx()
+        ax2.plot([t[0] for t in times], [t[1] * 1e3 for t in times], "ko-", label="step time")
+        ax2.set_ylabel("step time (ms)")
+    if any(r.get("stage_flops") for r in rows):
+        ax.legend(loc="upper left", fontsize=7)
+    ax.set_title("ppsplit sweep: stage costs per point")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class SweepSummary(Callback):
+    """Registered in conf/config.yaml under ``hydra.callbacks``."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = config.hydra.sweep.dir
+        if os.path.isdir(sweep_dir):
+            rows = write_summary(sweep_dir)
+            print(f"ppsplit: sweep summary of {len(rows)} point(s): {os.path.join(sweep_dir, 'summary.md')}")
