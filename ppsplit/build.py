@@ -48,10 +48,12 @@ def build_model(
         return load_pretrained(cls, pretrained)
     torch.manual_seed(seed)
     cfg = cls.config_class(**dict(config or {}))
-    return cls(cfg)
+    # Re-initialise deterministically per tensor, so a rank that builds only its stage from the
+    # meta device (model.init=meta) gets exactly these values.
+    return initialize(cls(cfg), seed)
 
 
-def load_pretrained(cls, folder: str) -> torch.nn.Module:
+def check_pretrained_folder(folder: str) -> str:
     folder = os.path.expanduser(str(folder))
     if not os.path.isdir(folder):
         raise PpsplitError(f"model.pretrained={folder!r} is not a folder; give a local model folder")
@@ -62,6 +64,11 @@ def load_pretrained(cls, folder: str) -> torch.nn.Module:
             f"model.pretrained={folder!r} holds no model; expected config.json and weights "
             "(*.safetensors or *.bin) as written by save_pretrained"
         )
+    return folder
+
+
+def load_pretrained(cls, folder: str) -> torch.nn.Module:
+    folder = check_pretrained_folder(folder)
     try:
         return cls.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # transformers raises many types; report one line
@@ -74,6 +81,13 @@ class Batch:
     args: tuple
     kwargs: dict
     labels: torch.Tensor
+
+    def to(self, device) -> "Batch":
+        def move(t):
+            return t.to(device) if isinstance(t, torch.Tensor) else t
+
+        return Batch(tuple(move(a) for a in self.args), {k: move(v) for k, v in self.kwargs.items()},
+                     move(self.labels))
 
     def microbatches(self, n: int) -> list["Batch"]:
         """``n`` equal slices along the batch dimension, as the pipeline schedules cut it."""
@@ -91,7 +105,7 @@ class Batch:
 
 def make_batch(
     kind: str,
-    model: torch.nn.Module,
+    model,
     batch_size: int,
     seq_len: int,
     seed: int,
@@ -101,7 +115,7 @@ def make_batch(
     """A deterministic batch for ``step``: random token ids from ``seed`` and ``step``."""
     if kind not in INPUT_KINDS:
         raise PpsplitError(f"model.inputs={kind!r} is not known; allowed: {', '.join(INPUT_KINDS)}")
-    cfg = model.config
+    cfg = getattr(model, "config", model)  # a model or its transformers config
     vocab = cfg.vocab_size
     gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
@@ -164,3 +178,146 @@ def make_optimizer(spec: dict, params) -> torch.optim.Optimizer:
         return OPTIMIZERS[name](params, **spec)
     except (TypeError, ValueError) as err:
         raise PpsplitError(f"optimizer={name} with {spec}: {err}") from None
+
+
+# --- Initialisation that does not need the whole model in memory -------------------------------
+
+INIT_THRESHOLD_PARAMS = 1_000_000_000  # model.init=auto traces on meta above this many parameters
+# Random in-place fills (Tensor methods and torch.nn.init functions) that take a generator.
+_RANDOM_FILLS = ("normal_", "uniform_", "bernoulli_", "random_", "exponential_", "cauchy_",
+                 "log_normal_", "geometric_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_")
+
+
+def build_on_meta(class_name: str, config: dict | None = None, pretrained: str | None = None) -> torch.nn.Module:
+    """The model's structure with every parameter and buffer on the meta device: no memory.
+    With ``pretrained``, the structure comes from that folder's config.json."""
+    cls = model_class(class_name)
+    if pretrained:
+        check_pretrained_folder(pretrained)
+        cfg = cls.config_class.from_pretrained(os.path.expanduser(str(pretrained)))
+    else:
+        cfg = cls.config_class(**dict(config or {}))
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def count_params(class_name: str, config: dict | None = None, pretrained: str | None = None) -> int:
+    model = build_on_meta(class_name, config, pretrained)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+INITS = ("real", "meta", "auto")
+
+
+def resolve_init(init: str, class_name: str, config: dict | None, pretrained: str | None,
+                 threshold: int = INIT_THRESHOLD_PARAMS) -> str:
+    """``real`` or ``meta``: ``auto`` traces on meta once the model has more than ``threshold``
+    parameters."""
+    if init not in INITS:
+        raise PpsplitError(f"model.init={init!r} is not known; allowed: {', '.join(INITS)}")
+    if init != "auto":
+        return init
+    return "meta" if count_params(class_name, config, pretrained) > threshold else "real"
+
+
+def _tensor_seed(seed: int, fqn: str) -> int:
+    import hashlib
+
+    return int(hashlib.sha256(f"{seed}:{fqn}".encode()).hexdigest()[:15], 16)
+
+
+class _SeedPerTensor(torch.overrides.TorchFunctionMode):
+    """Every random fill of a model tensor draws from a generator seeded by (seed, its FQN), so a
+    tensor's initial value does not depend on which other tensors exist or were filled before:
+    the same on a rank that holds one stage as in the unsplit model."""
+
+    def __init__(self, seed: int, names: dict[int, str]):
+        super().__init__()
+        self.seed, self.names = seed, names
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__name__", "") in _RANDOM_FILLS:
+            # torch.nn.init passes the tensor by keyword, Tensor methods as self
+            target = args[0] if args else kwargs.get("tensor")
+            fqn = self.names.get(id(target))
+            if fqn is not None and not target.is_meta:
+                kwargs["generator"] = torch.Generator(target.device).manual_seed(_tensor_seed(self.seed, fqn))
+        return func(*args, **kwargs)
+
+
+def initialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Run the model's own initialisation (``_init_weights`` of every module), deterministic per
+    tensor from ``seed``. Tensors still on the meta device are skipped at no cost, so a rank can
+    materialise and initialise only its own stage's tensors. Non-persistent buffers (rotary
+    ``inv_freq``, ``position_ids``) are recomputed by the same pass."""
+    names: dict[int, str] = {}
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), name)
+    for module in model.modules():
+        module._is_hf_initialized = False
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if hasattr(t, "_is_hf_initialized"):
+                t._is_hf_initialized = False
+    with torch.no_grad(), _SeedPerTensor(seed, names):
+        model.initialize_weights()
+        model.tie_weights()
+    return model
+
+
+def materialize(model: torch.nn.Module, fqns, device) -> None:
+    """Give the named parameters and buffers of ``model`` real (uninitialised) storage on
+    ``device``; names of one tensor keep naming one tensor. Everything else stays on meta."""
+    wanted = set(fqns)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    targets = {id(named[f]) for f in wanted if f in named}
+    replaced: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in list(store.items()):
+                if tensor is None or id(tensor) not in targets:
+                    continue
+                if id(tensor) not in replaced:
+                    empty = torch.empty_like(tensor, device=device)
+                    replaced[id(tensor)] = (torch.nn.Parameter(empty, tensor.requires_grad)
+                                            if isinstance(tensor, torch.nn.Parameter) else empty)
+                store[name] = replaced[id(tensor)]
+
+
+def read_checkpoint_tensors(folder: str, fqns, tie_groups=()) -> dict[str, torch.Tensor]:
+    """The named tensors from a transformers safetensors checkpoint (one file, or sharded with
+    ``model.safetensors.index.json``), reading only those. A tied name missing from the file
+    (``save_pretrained`` writes one name per tied tensor) is read under another name of its group."""
+    import json
+
+    from safetensors import safe_open
+
+    folder = os.path.expanduser(str(folder))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        single = os.path.join(folder, "model.safetensors")
+        if not os.path.exists(single):
+            raise PpsplitError(f"model.pretrained={folder!r} holds no safetensors weights "
+                               "(model.safetensors or model.safetensors.index.json)")
+        with safe_open(single, "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    alias = {k: g for g in tie_groups for k in g}
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for fqn in fqns:
+        source = fqn if fqn in weight_map else next(
+            (k for k in alias.get(fqn, ()) if k in weight_map), None)
+        if source is None:
+            continue  # not in the checkpoint: the model's initialisation stands
+        by_file.setdefault(weight_map[source], []).append((fqn, source))
+    out = {}
+    for file, pairs in by_file.items():
+        with safe_open(os.path.join(folder, file), "pt") as f:
+            for fqn, source in pairs:
+                out[fqn] = f.get_tensor(source)
+    return out

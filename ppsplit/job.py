@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppsplit import build, report
+from ppsplit.errors import PpsplitError
 from ppsplit.plan import balance, stage_costs
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
@@ -25,6 +26,7 @@ def model_settings(cfg: DictConfig) -> dict:
         "inputs": m.inputs,
         "loss": m.loss,
         "call_kwargs": OmegaConf.to_container(m.call_kwargs, resolve=True) if m.get("call_kwargs") else {},
+        "init": m.get("init") or "auto",
     }
 
 
@@ -55,6 +57,7 @@ def task_for(cfg: DictConfig, settings: dict, plan, output_dir: str) -> dict:
     debug = OmegaConf.to_container(cfg.debug, resolve=True) if cfg.get("debug") else {}
     return {
         "model": settings,
+        "init": settings["init"],
         "split": split_args(cfg),
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
@@ -95,15 +98,26 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
 
     started_at = time.time()
     t0 = time.perf_counter()
-    model = build.build_model(settings["class_name"], settings["config"], settings["pretrained"], cfg.seed)
+    init = build.resolve_init(settings["init"], settings["class_name"], settings["config"],
+                              settings["pretrained"])
+    settings["init"] = init
+    meta = init == "meta"
+    if meta and not distributed and cfg.steps > 0:
+        raise PpsplitError("model.init=meta needs ranks to hold the weights; use launcher=local or "
+                           "launcher=slurm, or steps=0 to only split and check")
+    if meta:
+        model = build.build_on_meta(settings["class_name"], settings["config"], settings["pretrained"])
+    else:
+        model = build.build_model(settings["class_name"], settings["config"], settings["pretrained"], cfg.seed)
     loss_fn = build.loss_fn(settings["loss"])
+    config = model.config
 
     def batch_for(step):
-        return build.make_batch(settings["inputs"], model, cfg.batch_size, cfg.seq_len, cfg.seed,
+        return build.make_batch(settings["inputs"], config, cfg.batch_size, cfg.seq_len, cfg.seed,
                                 step=step, call_kwargs=settings["call_kwargs"])
 
     microbatches = batch_for(0).microbatches(cfg.microbatches)
-    example = microbatches[0]
+    example = microbatches[0].to("meta") if meta else microbatches[0]
     t1 = time.perf_counter()
     split = split_model(model, example.args, example.kwargs, **split_args(cfg))
     t2 = time.perf_counter()
@@ -116,13 +130,13 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
         launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
         job_handle = dispatch.submit(task, launcher, os.path.join(output_dir, "submitit"), plan.ranks)
     fqn = verify_fqns(model, split)
-    numerics = verify_numerics(model, split, microbatches, loss_fn)
+    numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
     t3 = time.perf_counter()
 
     costs = stage_costs(split, cfg.microbatches)
     rows = report.stage_rows(split, costs)
     balance_of = {kind: balance(values) for kind, values in costs.items()}
-    numerics_ok = numerics.ok(cfg.tolerance)
+    numerics_ok = numerics is None or numerics.ok(cfg.tolerance)
     print(f"ppsplit: {cfg.model.name} ({settings['class_name']}) in {len(split)} stages, "
           f"split at {', '.join(split.points) or '(none)'}")
     print(report.format_table(rows))
@@ -131,9 +145,12 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
         print(f"tied: {' = '.join(group['keys'])}  (stages {', '.join(map(str, group['stages']))})")
     print(f"FQN check: {'passed' if fqn.ok else 'FAILED'}: {fqn.original_keys} original keys"
           + "".join(f"\n  {p}" for p in fqn.problems()))
-    print(f"numerics: {'passed' if numerics_ok else 'FAILED'}: forward {numerics.forward_max_abs_diff:.2e}, "
-          f"loss {numerics.loss_abs_diff:.2e}, grad {numerics.grad_max_abs_diff:.2e} "
-          f"(tolerance {cfg.tolerance:g})")
+    if numerics is None:
+        print("numerics: not checked in the driver (model.init=meta: it holds no weights)")
+    else:
+        print(f"numerics: {'passed' if numerics_ok else 'FAILED'}: forward {numerics.forward_max_abs_diff:.2e}, "
+              f"loss {numerics.loss_abs_diff:.2e}, grad {numerics.grad_max_abs_diff:.2e} "
+              f"(tolerance {cfg.tolerance:g})")
 
     run = None
     if cfg.steps > 0:
@@ -150,7 +167,9 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
         "balance": balance_of,
         "fqn_check": fqn.as_dict(),
         "stage_info": rows,
-        "numerics": {**numerics.as_dict(), "ok": numerics_ok, "tolerance": cfg.tolerance},
+        "init": init,
+        "numerics": ({"skipped": "model.init=meta"} if numerics is None else
+                     {**numerics.as_dict(), "ok": numerics_ok, "tolerance": cfg.tolerance}),
         "run": run,
         "timings_s": {"build": t1 - t0, "split": t2 - t1, "verify": t3 - t2},
         "started_at": started_at,
@@ -185,7 +204,16 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
             from ppsplit.run_rank import save_checkpoint
 
             save_checkpoint(ckpt, modules)
-    reference = train_in_process(model, [model], batch_for, cfg.steps, cfg.microbatches, loss_fn, optimizer)
+    reference_model = model
+    if any(p.is_meta for p in model.parameters()):
+        s = model_settings(cfg)
+        small = build.count_params(s["class_name"], s["config"], s["pretrained"]) <= build.INIT_THRESHOLD_PARAMS
+        # The unsplit reference needs the whole model in memory: only when it is small.
+        reference_model = (build.build_model(s["class_name"], s["config"], s["pretrained"], cfg.seed)
+                           if small else None)
+    reference = (None if reference_model is None else
+                 train_in_process(reference_model, [reference_model], batch_for, cfg.steps,
+                                  cfg.microbatches, loss_fn, optimizer))
     if job_handle is not None:
         from ppsplit import dispatch
 
@@ -198,6 +226,9 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
         step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
         digests = {k: v for r in results for k, v in r["digests"].items()}
     cmp = compare_training(reference, losses, first_grads, states, split.tie_groups)
+    if results:
+        cmp["rank_memory"] = [{"rank": r["rank"], "stage_bytes": r["stage_bytes"],
+                               "rss_growth_bytes": r["rss_growth_bytes"]} for r in results]
     return {
         "launcher": cfg.launcher.name,
         "schedule": cfg.schedule.name,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ppsplit import build
+from ppsplit.stage_code import adopt_tensors, retarget_devices
 from ppsplit.ties import TieSync
 from ppsplit.trace_split import split as split_model
 
@@ -85,19 +86,32 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
 
     s = task["model"]
     m = task["microbatches"]
-    model = build.build_model(s["class_name"], s["config"], s["pretrained"], task["seed"])
+    meta = task.get("init") == "meta"
+    if meta:
+        model = build.build_on_meta(s["class_name"], s["config"])
+    else:
+        model = build.build_model(s["class_name"], s["config"], s["pretrained"], task["seed"])
     loss_fn = build.loss_fn(s["loss"])
+    config = model.config
 
     def batch_for(step):
-        return build.make_batch(s["inputs"], model, task["batch_size"], task["seq_len"],
+        return build.make_batch(s["inputs"], config, task["batch_size"], task["seq_len"],
                                 task["seed"], step=step, call_kwargs=s["call_kwargs"])
 
     example = batch_for(0).microbatches(m)[0]
+    if meta:
+        example = example.to("meta")
     split = split_model(model, example.args, example.kwargs, **task["split"])
     n_stages = len(split.stages)
     mine = stages_of_rank(rank, ranks, task["stages_per_rank"], task["placement"])
-    modules = {i: split.stages[i].to(device) for i in mine}
+    rss_before = peak_rss_bytes()
+    if meta:
+        modules = materialize_stages(model, split, mine, task, device)
+    else:
+        modules = {i: split.stages[i].to(device) for i in mine}
+    del model
     split.stages = [modules.get(i) for i in range(n_stages)]  # drop the other ranks' stages
+    rss_growth = peak_rss_bytes() - rss_before
     rank_of_stage = {i: r for r in range(ranks)
                      for i in stages_of_rank(r, ranks, task["stages_per_rank"], task["placement"])}
 
@@ -174,10 +188,50 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
         "step_time_s": statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None),
         "first_grads": first_grads,
         "state": state,
+        "stage_bytes": sum(t.numel() * t.element_size()
+                           for i in mine for t in {id(t): t for t in modules[i].state_dict().values()}.values()),
+        "rss_growth_bytes": rss_growth,
         "digests": {k: tensor_digest(v) for i in mine for k, v in modules[i].state_dict().items()},
         "tie_comm_groups": ties.comm_groups(),
         "pid": os.getpid(),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def materialize_stages(model, split, indices, task: dict, device) -> dict[int, torch.nn.Module]:
+    """Give stages ``indices`` of a split traced on meta real tensors on ``device``, and only them.
+
+    Their tensors are materialised in the meta model, initialised by the model's own
+    initialisation (deterministic per tensor from the seed, so equal to the unsplit model's) or
+    read from the local checkpoint (only the keys these stages hold), then adopted by the stages.
+    Non-persistent buffers are recomputed by the initialisation: no checkpoint holds them."""
+    stages = {i: split.stages[i] for i in indices}
+    names = {i: set(st.state_dict()) | {n for n, _ in st.named_buffers(remove_duplicate=False)}
+             for i, st in stages.items()}
+    every = set().union(*names.values())
+    build.materialize(model, every, device)
+    build.initialize(model, task["seed"])
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    pretrained = task["model"].get("pretrained")
+    if pretrained:
+        keys = sorted(k for st in stages.values() for k in st.state_dict())
+        with torch.no_grad():
+            for fqn, value in build.read_checkpoint_tensors(pretrained, keys, split.tie_groups).items():
+                named[fqn].copy_(value)
+    for i, stage in stages.items():
+        missing = adopt_tensors(stage, {n: named[n] for n in names[i] if n in named})
+        left = missing + [n for n, t in stage.named_buffers() if t.is_meta]
+        if left:
+            raise RuntimeError(f"stage {i}: no value for {', '.join(sorted(set(left))[:5])}")
+        retarget_devices(stage, device)
+    return stages
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -30,3 +30,47 @@ def use_generated_code(module: torch.nn.Module) -> torch.nn.Module:
             sub.finalize()
         setattr(sub, _FLAG, False)
     return module
+
+
+def retarget_devices(module: torch.nn.Module, device) -> torch.nn.Module:
+    """Rewrite every device baked into the stage's graphs (a trace on meta records
+    ``device=meta`` in ``arange``/``full``/``to``...) to ``device``, whether the op took it as a
+    keyword or positionally (LLaMA's rotary ``aten.to.device(inv_freq, meta, ...)``)."""
+    device = torch.device(device)
+
+    def swap(value):
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            args = torch.fx.node.map_aggregate(node.args, swap)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed and hasattr(sub, "finalize"):
+            sub.finalize()
+    return module
+
+
+def adopt_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Put ``tensors`` (by FQN) into ``module`` in place of its own, keeping one object per tied
+    tensor; returns the FQNs that were not found in ``tensors``."""
+    missing = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in list(store.items()):
+                if tensor is None:
+                    continue
+                new = tensors.get(prefix + name)
+                if new is None:
+                    missing.append(prefix + name)
+                elif isinstance(tensor, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
+                    raise TypeError(f"{prefix + name}: a parameter needs a Parameter")
+                else:
+                    store[name] = new
+    return missing

@@ -3,6 +3,8 @@ ties stay ties, values are the original's, and the chained stages compute what t
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -163,7 +165,16 @@ def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequ
 
     ``first_grads`` and ``states`` hold, per stage or rank, tensors by original FQN: the
     gradients of the first step (after tied gradients were summed) and the final values.
+    Without a ``reference`` (a model too large for the driver), only the ties and the losses'
+    finiteness are checked.
     """
+    if reference is None:
+        ties = [{"keys": list(g), "copies": len(c), "copies_bitwise_equal": all(torch.equal(c[0], t) for t in c),
+                 "max_abs_diff_vs_reference": None}
+                for g in tie_groups if (c := [st[k] for st in states for k in g if k in st])]
+        ok = all(math.isfinite(x) for x in losses) and all(t["copies_bitwise_equal"] for t in ties)
+        return {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
+                "grad_max_abs_diff": None, "worst_grad": "", "ties": ties, "ok": ok}
     ref_losses = reference["losses"]
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)]
     max_rel = max(rel, default=0.0) if len(losses) == len(ref_losses) else float("inf")

@@ -1,0 +1,104 @@
+"""Models bigger than one machine: the driver traces on meta, each rank materialises only its
+own stage, initialised or loaded, with the same values as the real-weights path."""
+
+import json
+
+import pytest
+import torch
+
+import ppsplit
+from ppsplit import build
+from ppsplit.cli import run
+from ppsplit.job import model_settings
+from ppsplit.run_rank import materialize_stages
+from helpers import compose_cfg
+
+MODELS = ("gpt2", "llama", "bert", "t5")
+
+
+def meta_and_real_splits(model, stages=2, pretrained=None):
+    s = model_settings(compose_cfg(f"model={model}"))
+    real = (build.build_model(s["class_name"], pretrained=pretrained) if pretrained else
+            build.build_model(s["class_name"], s["config"], seed=0))
+    cfg = compose_cfg(f"model={model}")
+    batch = build.make_batch(s["inputs"], real.config, cfg.batch_size, cfg.seq_len, 0,
+                             call_kwargs=s["call_kwargs"]).microbatches(cfg.microbatches)[0]
+    real_split = ppsplit.split(real, batch.args, batch.kwargs, stages=stages)
+    meta = build.build_on_meta(s["class_name"], s["config"], pretrained)
+    mb = batch.to("meta")
+    meta_split = ppsplit.split(meta, mb.args, mb.kwargs, stages=stages)
+    assert all(t.is_meta for st in meta_split.stages for t in st.state_dict().values())
+    assert ppsplit.verify_fqns(meta, meta_split).ok
+    task = {"seed": 0, "model": {"pretrained": pretrained}}
+    stages_ = list(materialize_stages(meta, meta_split, range(stages), task, torch.device("cpu")).values())
+    return real, real_split, stages_, batch
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_meta_stages_equal_real_stages_and_compute_the_same(model):
+    real, real_split, meta_stages, batch = meta_and_real_splits(model)
+    for real_stage, meta_stage in zip(real_split.stages, meta_stages):
+        rs, ms = real_stage.state_dict(), meta_stage.state_dict()
+        assert rs.keys() == ms.keys()
+        assert all(torch.equal(rs[k], ms[k]) for k in rs), [k for k in rs if not torch.equal(rs[k], ms[k])]
+        rb, mb = dict(real_stage.named_buffers()), dict(meta_stage.named_buffers())
+        assert rb.keys() == mb.keys() and all(torch.equal(rb[k], mb[k]) for k in rb)  # non-persistent too
+    real_split.stages = meta_stages  # run the materialised stages in the real split's order
+    out = real_split(*batch.args, **batch.kwargs)
+    assert torch.equal(build.logits_of(out), build.logits_of(real(*batch.args, **batch.kwargs)))
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_pretrained_checkpoint_loads_stage_by_stage(tmp_path, shard):
+    s = model_settings(compose_cfg("model=gpt2"))
+    source = build.build_model(s["class_name"], s["config"], seed=77)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    source.save_pretrained(tmp_path / "ckpt", **kwargs)
+    names = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert ("model.safetensors.index.json" in names) == bool(shard)
+    full, real_split, meta_stages, _ = meta_and_real_splits("gpt2", pretrained=str(tmp_path / "ckpt"))
+    reference = full.state_dict()
+    for stage in meta_stages:
+        for key, tensor in stage.state_dict().items():
+            assert torch.equal(tensor, reference[key]), key
+    assert meta_stages[-1].get_parameter("lm_head.weight").abs().sum() > 0  # tied name read via its alias
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_meta_path_run_equals_real_path_run(tmp_path, model):
+    assert run(compose_cfg(f"model={model}", "model.init=meta", "stages=2"), str(tmp_path / "meta")) == 0
+    assert run(compose_cfg(f"model={model}", "model.init=real", "stages=2"), str(tmp_path / "real")) == 0
+    meta = json.loads((tmp_path / "meta" / "report.json").read_text())
+    real = json.loads((tmp_path / "real" / "report.json").read_text())
+    assert meta["init"] == "meta" and real["init"] == "real"
+    assert meta["run"]["losses"] == pytest.approx(real["run"]["losses"], rel=1e-6)
+    assert meta["run"]["final_state_digests"] == real["run"]["final_state_digests"]
+    assert meta["run"]["max_loss_rel_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_rank_memory_is_its_stage_not_the_model(tmp_path):
+    overrides = ["model=gpt2", "model.init=meta", "model.config.n_layer=8", "model.config.n_embd=512",
+                 "model.config.n_head=8", "stages=4", "steps=1", "batch_size=4", "microbatches=4", "seq_len=16"]
+    assert run(compose_cfg(*overrides), str(tmp_path)) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    s = model_settings(compose_cfg(*overrides))
+    full_bytes = 4 * build.count_params(s["class_name"], s["config"])
+    for rank in data["run"]["rank_memory"]:
+        assert rank["stage_bytes"] * 3 < full_bytes  # the model is several times a stage
+        assert rank["rss_growth_bytes"] <= 1.2 * rank["stage_bytes"] + 64 * 2**20, rank
+
+
+def test_auto_init_picks_meta_above_the_threshold():
+    s = model_settings(compose_cfg("model=llama"))
+    assert build.resolve_init("auto", s["class_name"], s["config"], None) == "real"
+    assert build.resolve_init("auto", s["class_name"], s["config"], None, threshold=1000) == "meta"
+    big = dict(s["config"], num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+    assert build.resolve_init("auto", s["class_name"], big, None) == "meta"
+
+
+def test_meta_with_inline_training_is_refused(tmp_path):
+    with pytest.raises(ppsplit.PpsplitError, match="model.init=meta needs ranks"):
+        run(compose_cfg("model=gpt2", "model.init=meta", "launcher=inline"), str(tmp_path))
