@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -191,7 +192,10 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
 
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     results = None
+    reference_model = model
     if job_handle is None:  # inline: the chained stages in this process, ties summed locally
+        # The stages share the model's tensors; train the unsplit reference on a copy.
+        reference_model = copy.deepcopy(model)
         modules = dict(enumerate(split.stages))
         ties = TieSync(split.tie_groups, split.stage_keys, modules, {i: 0 for i in modules}, 0)
         pipelined = train_in_process(split, split.stages, batch_for, cfg.steps, cfg.microbatches,
@@ -204,7 +208,6 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
             from ppsplit.run_rank import save_checkpoint
 
             save_checkpoint(ckpt, modules)
-    reference_model = model
     if any(p.is_meta for p in model.parameters()):
         s = model_settings(cfg)
         small = build.count_params(s["class_name"], s["config"], s["pretrained"]) <= build.INIT_THRESHOLD_PARAMS

@@ -56,9 +56,10 @@ def retarget_devices(module: torch.nn.Module, device) -> torch.nn.Module:
     return module
 
 
-def adopt_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+def adopt_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], only_known: bool = False) -> list[str]:
     """Put ``tensors`` (by FQN) into ``module`` in place of its own, keeping one object per tied
-    tensor; returns the FQNs that were not found in ``tensors``."""
+    tensor; returns the FQNs that were not found in ``tensors`` (``only_known``: skip those
+    silently, e.g. constants the trace lifted, which are not the model's)."""
     missing = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         prefix = f"{prefix}." if prefix else ""
@@ -68,7 +69,8 @@ def adopt_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
                     continue
                 new = tensors.get(prefix + name)
                 if new is None:
-                    missing.append(prefix + name)
+                    if not only_known:
+                        missing.append(prefix + name)
                 elif isinstance(tensor, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
                     raise TypeError(f"{prefix + name}: a parameter needs a Parameter")
                 else:

@@ -36,7 +36,7 @@ from torch.export.graph_signature import (
 from torch.utils import _pytree as pytree
 
 from ppsplit.errors import PpsplitError, nearest
-from ppsplit.stage_code import use_generated_code
+from ppsplit.stage_code import adopt_tensors, use_generated_code
 
 
 @dataclass
@@ -414,7 +414,18 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     input_specs: list[InputSpec] = []
-    state_dict: dict[str, torch.Tensor] = {key: named[key] for key in keys}
+    # unflatten copies every tensor it is given; give it free meta stand-ins and hand the stage
+    # the caller's own tensors afterwards (adopt_tensors), so a split costs no weight memory.
+    stand_in: dict[int, torch.Tensor] = {}
+
+    def meta_of(tensor):
+        if id(tensor) not in stand_in:
+            empty = torch.empty_like(tensor, device="meta")
+            stand_in[id(tensor)] = (torch.nn.Parameter(empty, tensor.requires_grad)
+                                    if isinstance(tensor, torch.nn.Parameter) else empty)
+        return stand_in[id(tensor)]
+
+    state_dict: dict[str, torch.Tensor] = {key: meta_of(named[key]) for key in keys}
     constants: dict[str, Any] = {}
     state_phs = {ph for phs in used.values() for ph in phs}
 
@@ -429,7 +440,7 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
                 # of the names the stage holds, so no stale or extra name appears.
                 target = keys_by_id[id(named[target])][0]
             else:
-                constants[target] = program.constants[target]
+                constants[target] = meta_of(named[target]) if target in named else program.constants[target]
         elif spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
             constants[target] = program.constants[target]
         env[node] = graph.placeholder(node.name)
@@ -481,5 +492,6 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own LeafSpec notice
         module = torch.export.unflatten(stage_program)
+    adopt_tensors(module, named, only_known=True)
     use_generated_code(module)
     return module

@@ -23,6 +23,9 @@ class FqnReport:
     tied: list[dict] = field(default_factory=list)  # {"keys": [...], "stages": [...]}
     split_ties: list[str] = field(default_factory=list)  # tied names that are two tensors in one stage
     value_mismatch: list[str] = field(default_factory=list)  # stage tensor != original's
+    # transformers' declared ties (all_tied_weights_keys) that the model's tensors do not show:
+    # informational, the tensors are the truth
+    declared_ties_not_found: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,12 +74,25 @@ def verify_fqns(model: torch.nn.Module, split: Split, check_values: bool = True)
         for s, sd in enumerate(stage_sds):
             for key, tensor in sd.items():
                 ref = original.get(key)
-                if ref is None or ref.is_meta or tensor.is_meta:
-                    continue
+                if ref is None or ref is tensor or ref.is_meta or tensor.is_meta:
+                    continue  # a shared tensor is the original's value by identity
                 if ref.shape != tensor.shape or not torch.equal(ref.detach(), tensor.detach()):
                     mismatch.append(f"stage {s}: {key}")
     ok = not (missing or unexpected or duplicated or split_ties or mismatch)
-    return FqnReport(ok, len(original), missing, unexpected, duplicated, tied, split_ties, mismatch)
+    return FqnReport(ok, len(original), missing, unexpected, duplicated, tied, split_ties, mismatch,
+                     declared_ties_not_found(model, groups))
+
+
+def declared_ties_not_found(model: torch.nn.Module, groups) -> list[str]:
+    """Cross-check the tie groups found from the tensors with the ties transformers declares."""
+    declared = getattr(model, "all_tied_weights_keys", None)
+    if declared is None:
+        declared = getattr(model, "_tied_weights_keys", None)
+    if not isinstance(declared, dict):
+        return []
+    group_of = {k: i for i, g in enumerate(groups) for k in g}
+    return [f"{a} = {b}" for a, b in declared.items()
+            if group_of.get(a) is None or group_of.get(a) != group_of.get(b)]
 
 
 @dataclass
@@ -105,37 +121,42 @@ def verify_numerics(
     A tied tensor's gradient is summed over the stages that hold it before comparing. Gradients
     of ``model`` and of the stages are overwritten.
     """
+    # The stages may share the model's tensors: take the model's gradients first, then clear
+    # them and take the stages'.
     for module in (model, *split.stages):
         module.zero_grad(set_to_none=True)
-    fwd_diff = 0.0
-    ref_loss = torch.zeros(())
-    split_loss = torch.zeros(())
     n = len(microbatches)
+    ref_outs, ref_loss = [], 0.0
     for mb in microbatches:
-        ref_out = model(*mb.args, **mb.kwargs)
+        out = model(*mb.args, **mb.kwargs)
+        loss = loss_fn(out, mb.labels) / n
+        loss.backward()
+        ref_outs.append(out)
+        ref_loss += loss.item()
+    ref_grads = {k: None if p.grad is None else p.grad.clone()
+                 for k, p in model.named_parameters(remove_duplicate=False)}
+    for module in (model, *split.stages):
+        module.zero_grad(set_to_none=True)
+    fwd_diff, split_loss = 0.0, 0.0
+    for mb, ref_out in zip(microbatches, ref_outs):
         out = split(*mb.args, **mb.kwargs)
         fwd_diff = max(fwd_diff, _max_abs_diff(ref_out, out))
-        ref_mb_loss = loss_fn(ref_out, mb.labels) / n
-        split_mb_loss = loss_fn(out, mb.labels) / n
-        ref_mb_loss.backward()
-        split_mb_loss.backward()
-        ref_loss = ref_loss + ref_mb_loss.detach()
-        split_loss = split_loss + split_mb_loss.detach()
+        loss = loss_fn(out, mb.labels) / n
+        loss.backward()
+        split_loss += loss.item()
 
-    ref_grads = {k: p.grad for k, p in model.named_parameters(remove_duplicate=False)}
-    summed: dict[str, torch.Tensor] = {}
+    # A tied tensor's gradient is summed over the distinct tensors the stages hold for it.
+    group_of = {k: g for g in split.tie_groups for k in g}
+    tensors_of: dict[str, dict[int, torch.Tensor]] = {}
     for stage in split.stages:
-        seen: set[tuple[int, str]] = set()
         for key, p in stage.named_parameters(remove_duplicate=False):
-            if p.grad is None:
-                continue
-            # one tensor under several names in a stage contributes its gradient once
-            group = [k for g in split.tie_groups if key in g for k in g] or [key]
-            for k in group:
-                if (id(p), k) in seen:
-                    continue
-                seen.add((id(p), k))
-                summed[k] = summed[k] + p.grad if k in summed else p.grad.clone()
+            for k in group_of.get(key, [key]):
+                tensors_of.setdefault(k, {})[id(p)] = p
+    summed: dict[str, torch.Tensor] = {}
+    for key, tensors in tensors_of.items():
+        grads = [p.grad for p in tensors.values() if p.grad is not None]
+        if grads:
+            summed[key] = torch.stack(grads).sum(0)
     grad_diff, worst = 0.0, ""
     for key, ref in ref_grads.items():
         got = summed.get(key)
@@ -146,7 +167,7 @@ def verify_numerics(
         diff = (ref - got).abs().max().item() if ref.numel() else 0.0
         if diff > grad_diff:
             grad_diff, worst = diff, key
-    return Numerics(fwd_diff, abs(ref_loss.item() - split_loss.item()), grad_diff, worst)
+    return Numerics(fwd_diff, abs(ref_loss - split_loss), grad_diff, worst)
 
 
 def _max_abs_diff(a, b) -> float:

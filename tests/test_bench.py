@@ -93,3 +93,28 @@ def test_cli_rejects_unknown_benchmark():
     with pytest.raises(SystemExit) as exc:
         main(["--only", "nope"])
     assert exc.value.code == 2
+
+
+def test_balance(tmp_path):
+    from bench import balance
+
+    balance.main(quick=True, out_dir=str(tmp_path))
+    data = json.loads((tmp_path / "balance.json").read_text())
+    for result in data["results"]:
+        assert {"ppsplit even", "ppsplit params", "ppsplit flops", "PiPPy equal-size",
+                "torchtitan weighting"} == set(result["strategies"])
+        for figures in result["strategies"].values():
+            assert figures["params"] >= 1.0 and figures["flops"] >= 1.0
+        assert result["flops_strategy_best_on_flops"] is True  # optimal on its own cost
+
+
+@pytest.mark.slow
+def test_meta_memory(tmp_path):
+    from bench import meta_memory
+
+    meta_memory.main(quick=True, out_dir=str(tmp_path))
+    data = json.loads((tmp_path / "meta_memory.json").read_text())
+    for side in data["driver"].values():
+        assert positive(side["ratio"]["ratio"]) and positive(side["peak_rss_bytes"]["ppsplit"])
+    assert [g["layers"] for g in data["tracing_growth"]] == [2, 4]
+    assert all(positive(r["stage_bytes"]) for r in data["ranks"]["per_rank"])

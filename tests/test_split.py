@@ -1,6 +1,7 @@
 """The core property: stage FQNs partition the original state_dict, and the chained stages are
 the original model (forward, loss and every gradient)."""
 
+import copy
 import json
 
 import pytest
@@ -38,6 +39,7 @@ def test_fqns_partition_state_dict_and_numerics_match(model, stages):
 
     report = ppsplit.verify_fqns(net, split)
     assert report.ok, report.problems()
+    assert report.declared_ties_not_found == []  # the ties found agree with transformers'
     numerics = ppsplit.verify_numerics(net, split, mbs, loss_fn)
     assert numerics.forward_max_abs_diff <= 1e-5
     assert numerics.loss_abs_diff <= 1e-5
@@ -96,6 +98,8 @@ def test_tied_weights_one_tensor_per_stage_and_no_stale_copy():
     total = sum(p.numel() for s in two.stages for p in s.parameters())
     original = sum(p.numel() for p in net.parameters())
     assert total == original + net.transformer.wte.weight.numel()  # one legitimate copy
+    # no weight memory: the stages hold the caller's tensors
+    assert two.stages[1].get_parameter("lm_head.weight") is net.lm_head.weight
 
     net, mbs, _ = model_and_batch("t5")
     split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
@@ -125,11 +129,15 @@ def test_caller_model_is_not_changed():
 
 def test_manual_points_and_tied_gradient_sum():
     net, mbs, loss_fn = model_and_batch("gpt2")
+    reference = copy.deepcopy(net)
     split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=["transformer.h.1", "transformer.h.3"])
     assert len(split.stages) == 3
-    loss = loss_fn(split(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels)
-    loss.backward()
-    loss_fn(net(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels).backward()
-    summed = split.stages[0].get_parameter("transformer.wte.weight").grad + \
-        split.stages[2].get_parameter("lm_head.weight").grad
-    assert torch.allclose(summed, net.transformer.wte.weight.grad, atol=1e-6)
+    loss_fn(split(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels).backward()
+    loss_fn(reference(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels).backward()
+    # the stages share the caller's tensors: one tensor, the full tied gradient
+    wte = split.stages[0].get_parameter("transformer.wte.weight")
+    assert wte is split.stages[2].get_parameter("lm_head.weight") is net.transformer.wte.weight
+    assert torch.allclose(wte.grad, reference.transformer.wte.weight.grad, atol=1e-6)
+    for stage in split.stages:
+        for key, p in stage.named_parameters():
+            assert torch.allclose(p.grad, reference.get_parameter(key).grad, atol=1e-6), key
