@@ -228,7 +228,8 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
         states = [st for r in results for st in r["state"].values()]
         step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
         digests = {k: v for r in results for k, v in r["digests"].items()}
-    cmp = compare_training(reference, losses, first_grads, states, split.tie_groups)
+    cmp = compare_training(reference, losses, first_grads, states, split.tie_groups,
+                           loss_rtol=1e-5, grad_atol=cfg.tolerance, tie_atol=cfg.tie_tolerance)
     if results:
         cmp["rank_memory"] = [{"rank": r["rank"], "stage_bytes": r["stage_bytes"],
                                "rss_growth_bytes": r["rss_growth_bytes"]} for r in results]

@@ -71,9 +71,13 @@ def test_eight_stages_for_an_eight_layer_llama(tmp_path):
 
 @pytest.mark.slow
 def test_adamw_keeps_tied_copies_bitwise_equal_every_step(tmp_path):
-    code, data = run_report(tmp_path, "model=gpt2", "stages=4", "optimizer=adamw", "debug.check_ties=true")
+    code, data = run_report(tmp_path, "model=gpt2", "stages=4", "optimizer=adamw", "debug.check_ties=true",
+                            "tie_tolerance=1e-5")
     assert code == 0
-    assert_matches_unsplit(data["run"])
+    run_section = data["run"]
+    assert run_section["max_loss_rel_diff"] <= 1e-5 and run_section["grad_max_abs_diff"] <= 1e-5
+    for tie in run_section["ties"]:  # bitwise equal across ranks after every step (check_ties)
+        assert tie["copies_bitwise_equal"] and tie["max_abs_diff_vs_reference"] <= 1e-5
     assert data["run"]["tie_comm_groups"] == [
         {"keys": ["transformer.wte.weight", "lm_head.weight"], "ranks": [0, 3]}]
 
