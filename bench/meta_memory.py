@@ -32,15 +32,14 @@ TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_atte
 
 # Run in a child process: one measurement, printed as JSON on the last line.
 CHILD = r"""
-import json, resource, sys, time, warnings
+import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
 torch.set_num_threads(1)
 mode, config, stages, seq, rank = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 from ppsplit import build
 import ppsplit
-def rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from ppsplit.run_rank import peak_rss_bytes as rss  # VmHWM: ru_maxrss would carry the parent's peak
 model = build.build_on_meta("LlamaForCausalLM", config)
 ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
 kwargs = {"return_dict": False, "use_cache": False}

@@ -130,33 +130,24 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
         task = task_for(cfg, settings, plan, output_dir)
         launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
         job_handle = dispatch.submit(task, launcher, os.path.join(output_dir, "submitit"), plan.ranks)
-    fqn = verify_fqns(model, split)
-    numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
-    t3 = time.perf_counter()
-
-    costs = stage_costs(split, cfg.microbatches)
-    rows = report.stage_rows(split, costs)
-    balance_of = {kind: balance(values) for kind, values in costs.items()}
-    numerics_ok = numerics is None or numerics.ok(cfg.tolerance)
-    print(f"ppsplit: {cfg.model.name} ({settings['class_name']}) in {len(split)} stages, "
-          f"split at {', '.join(split.points) or '(none)'}")
-    print(report.format_table(rows))
-    print(f"balance (max/mean): params {balance_of['params']:.3f}, flops {balance_of['flops']:.3f}")
-    for group in fqn.tied:
-        print(f"tied: {' = '.join(group['keys'])}  (stages {', '.join(map(str, group['stages']))})")
-    print(f"FQN check: {'passed' if fqn.ok else 'FAILED'}: {fqn.original_keys} original keys"
-          + "".join(f"\n  {p}" for p in fqn.problems()))
-    if numerics is None:
-        print("numerics: not checked in the driver (model.init=meta: it holds no weights)")
-    else:
-        print(f"numerics: {'passed' if numerics_ok else 'FAILED'}: forward {numerics.forward_max_abs_diff:.2e}, "
-              f"loss {numerics.loss_abs_diff:.2e}, grad {numerics.grad_max_abs_diff:.2e} "
-              f"(tolerance {cfg.tolerance:g})")
-
-    run = None
-    if cfg.steps > 0:
-        run = train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir)
-        print(report.format_run(run))
+    try:
+        fqn = verify_fqns(model, split)
+        numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
+        t3 = time.perf_counter()
+        costs = stage_costs(split, cfg.microbatches)
+        rows = report.stage_rows(split, costs)
+        balance_of = {kind: balance(values) for kind, values in costs.items()}
+        numerics_ok = numerics is None or numerics.ok(cfg.tolerance)
+        print(report.format_checks(cfg.model.name, settings["class_name"], split, rows, balance_of,
+                                   fqn, numerics, cfg.tolerance))
+        run = None
+        if cfg.steps > 0:
+            run = train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir)
+            print(report.format_run(run))
+    except BaseException:
+        if job_handle is not None:  # never leave ranks running behind a failed driver
+            job_handle.cancel(check=False)
+        raise
 
     ok = fqn.ok and numerics_ok and (run is None or run["ok"])
     data = {

@@ -104,23 +104,33 @@ def _logits_numel(program) -> int:
 def linear_partition(costs: Sequence[float], parts: int) -> list[int]:
     """Sizes of ``parts`` contiguous non-empty groups of ``costs`` minimising the largest sum.
 
-    Exact dynamic programme, O(parts * n^2); ties go to the partition whose earlier stages are
-    larger (the last stage also runs the loss and the optimizer's largest tensors)."""
+    Exact dynamic programme, O(parts * n^2). Among the partitions that reach that minimum, the
+    one with the smallest sum of squared stage costs is taken (the most even), earlier stages
+    taking the larger share on a tie."""
     n = len(costs)
     if not 1 <= parts <= n:
         raise PpsplitError(f"stages={parts}: must be between 1 and the {n} blocks")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n - (parts - k) + 1):
-            for i in range(k - 1, j):
-                cost = max(best[k - 1][i], prefix[j] - prefix[i])
-                if cost <= best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
+
+    def solve(score, limit):
+        best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+        cut = [[0] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0.0
+        for k in range(1, parts + 1):
+            for j in range(k, n - (parts - k) + 1):
+                for i in range(k - 1, j):
+                    part = prefix[j] - prefix[i]
+                    if part > limit or best[k - 1][i] == math.inf:
+                        continue
+                    value = score(best[k - 1][i], part)
+                    if value <= best[k][j] + 1e-12 * max(1.0, abs(value)):
+                        best[k][j], cut[k][j] = value, i
+        return best[parts][n], cut
+
+    largest, _ = solve(max, math.inf)
+    _, cut = solve(lambda acc, part: acc + part * part, largest * (1 + 1e-12) + 1e-12)
     sizes, j = [], n
     for k in range(parts, 0, -1):
         i = cut[k][j]
@@ -151,23 +161,14 @@ def layer_sizes(n_blocks: int, stages: int | None, layers: Sequence[int] | None,
         raise PpsplitError(f"stages={stages}: must be at least 1")
     if first_stage_less < 0 or last_stage_less < 0:
         raise PpsplitError("split.first_stage_less and split.last_stage_less must be >= 0")
-    virtual = n_blocks + first_stage_less + (last_stage_less if stages > 1 else 0)
-    base, extra = divmod(virtual, stages)
-    # Remainder blocks go to the middle stages first: the ends are the ones asked to be lighter.
-    order = list(range(1, stages - 1)) + [0, stages - 1][: min(2, stages)]
-    sizes = [base] * stages
-    for i in order[:extra]:
-        sizes[i] += 1
-    sizes[0] -= first_stage_less
-    if stages > 1:
-        sizes[-1] -= last_stage_less
-    if any(s < 1 for s in sizes) or stages > n_blocks:
-        raise PpsplitError(
-            f"stages={stages} with first_stage_less={first_stage_less}, "
-            f"last_stage_less={last_stage_less} leaves a stage without blocks ({sizes}); "
-            f"the model has {n_blocks} blocks"
-        )
-    return sizes
+    if stages > n_blocks:
+        raise PpsplitError(f"stages={stages}: more stages than the model's {n_blocks} blocks")
+    # The ends weigh as (1 + less) blocks each, as torchtitan counts the embedding and the head
+    # as layers; the balanced partition of those weights gives the block counts.
+    weights = [1.0] * n_blocks
+    weights[0] += first_stage_less
+    weights[-1] += last_stage_less
+    return linear_partition(weights, stages)
 
 
 def stage_costs(split, microbatches: int = 1) -> dict[str, list[float]]:

@@ -24,6 +24,25 @@ def stage_rows(split, costs: dict) -> list[dict]:
     return rows
 
 
+def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tolerance) -> str:
+    """The stage table, the balance, the ties and the verdicts of the checks."""
+    lines = [f"ppsplit: {name} ({class_name}) in {len(split)} stages, "
+             f"split at {', '.join(split.points) or '(none)'}",
+             format_table(rows),
+             f"balance (max/mean): params {balance_of['params']:.3f}, flops {balance_of['flops']:.3f}"]
+    for group in fqn.tied:
+        lines.append(f"tied: {' = '.join(group['keys'])}  (stages {', '.join(map(str, group['stages']))})")
+    lines.append(f"FQN check: {'passed' if fqn.ok else 'FAILED'}: {fqn.original_keys} original keys"
+                 + "".join(f"\n  {p}" for p in fqn.problems()))
+    if numerics is None:
+        lines.append("numerics: not checked in the driver (model.init=meta: it holds no weights)")
+    else:
+        lines.append(f"numerics: {'passed' if numerics.ok(tolerance) else 'FAILED'}: "
+                     f"forward {numerics.forward_max_abs_diff:.2e}, loss {numerics.loss_abs_diff:.2e}, "
+                     f"grad {numerics.grad_max_abs_diff:.2e} (tolerance {tolerance:g})")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("stage", "first block", "last block", "params", "GFLOP", "keys")
     body = [

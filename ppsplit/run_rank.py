@@ -198,7 +198,17 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    """This process's peak resident memory so far.
+
+    Read from /proc (VmHWM, kept per address space): getrusage's ru_maxrss survives fork and
+    exec, so a rank would report its driver's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

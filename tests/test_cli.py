@@ -1,7 +1,6 @@
 """The command line as a user meets it: the main job, and one-line errors for bad input."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -43,13 +43,16 @@ def test_linear_partition_is_optimal(seed):
 def test_layer_sizes():
     assert layer_sizes(14, None, [3, 4, 4, 3]) == [3, 4, 4, 3]
     assert layer_sizes(14, 4, None, first_stage_less=1, last_stage_less=1) == [3, 4, 4, 3]
-    assert layer_sizes(12, 4, None, first_stage_less=1, last_stage_less=1) == [2, 4, 4, 2]
-    assert layer_sizes(7, 3, None) == [2, 3, 2]
+    twelve = layer_sizes(12, 4, None, first_stage_less=1, last_stage_less=1)
+    assert sum(twelve) == 12 and twelve[0] < 4 and twelve[-1] < 4 and max(twelve) == 4
+    eight = layer_sizes(12, 8, None, first_stage_less=1, last_stage_less=1)
+    assert sum(eight) == 12 and min(eight) >= 1 and eight[0] == eight[-1] == 1
+    assert sorted(layer_sizes(7, 3, None)) == [2, 2, 3]
     assert layer_sizes(8, 2, None, first_stage_less=0, last_stage_less=2) == [5, 3]
     with pytest.raises(PpsplitError, match="add up"):
         layer_sizes(4, None, [1, 2])
-    with pytest.raises(PpsplitError, match="without blocks"):
-        layer_sizes(4, 4, None, first_stage_less=1)
+    with pytest.raises(PpsplitError, match="more stages than"):
+        layer_sizes(4, 5, None, first_stage_less=1)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama", "bert", "t5"])

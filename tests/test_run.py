@@ -7,7 +7,6 @@ import os
 import time
 
 import pytest
-import torch
 
 from ppsplit import CheckFailed, PpsplitError
 from ppsplit.cli import run
