@@ -228,8 +228,8 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
         for strategy, why in skipped.items():
             print(f"skipped split={strategy}: {why}")
         if cpus < STAGES + 1:
-            print(f"note: {cpus} CPUs for {STAGES} ranks + the driver, which trains the reference "
-                  "model while the ranks run; step times include that contention")
+            print(f"note: {cpus} CPUs for {STAGES} ranks + the driver; the driver only waits while "
+                  "the ranks step (it trains its reference afterwards)")
         for w in warnings:
             print(w)
 

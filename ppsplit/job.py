@@ -124,7 +124,7 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
     t2 = time.perf_counter()
     job_handle = None
     if distributed and cfg.steps > 0:
-        # Start the ranks first: the driver checks and trains the reference while they run.
+        # Start the ranks first: the driver checks the split while they build their stages.
         from ppsplit import dispatch
 
         task = task_for(cfg, settings, plan, output_dir)
@@ -199,6 +199,19 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
             from ppsplit.run_rank import save_checkpoint
 
             save_checkpoint(ckpt, modules)
+    if job_handle is not None:
+        from ppsplit import dispatch
+
+        # Wait first: a reference trained meanwhile would take the ranks' CPUs and distort their
+        # step times.
+        results = dispatch.wait(job_handle, plan.ranks, float(cfg.timeout_s))
+        results.sort(key=lambda r: r["rank"])
+        last = len(split.stages) - 1
+        losses = next(r["losses"] for r in results if last in r["stages"])
+        first_grads = [r["first_grads"] for r in results]
+        states = [st for r in results for st in r["state"].values()]
+        step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
+        digests = {k: v for r in results for k, v in r["digests"].items()}
     if any(p.is_meta for p in model.parameters()):
         s = model_settings(cfg)
         small = build.count_params(s["class_name"], s["config"], s["pretrained"]) <= build.INIT_THRESHOLD_PARAMS
@@ -208,17 +221,6 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
     reference = (None if reference_model is None else
                  train_in_process(reference_model, [reference_model], batch_for, cfg.steps,
                                   cfg.microbatches, loss_fn, optimizer))
-    if job_handle is not None:
-        from ppsplit import dispatch
-
-        results = dispatch.wait(job_handle, plan.ranks, float(cfg.timeout_s))
-        results.sort(key=lambda r: r["rank"])
-        last = len(split.stages) - 1
-        losses = next(r["losses"] for r in results if last in r["stages"])
-        first_grads = [r["first_grads"] for r in results]
-        states = [st for r in results for st in r["state"].values()]
-        step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
-        digests = {k: v for r in results for k, v in r["digests"].items()}
     cmp = compare_training(reference, losses, first_grads, states, split.tie_groups,
                            loss_rtol=1e-5, grad_atol=cfg.tolerance, tie_atol=cfg.tie_tolerance)
     if results:
