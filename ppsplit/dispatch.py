@@ -53,8 +53,6 @@ def plan_ranks(schedule: str, stages: int, stages_per_rank: int | None, microbat
         raise PpsplitError(
             f"microbatches={microbatches}: schedule={schedule} needs microbatches >= ranks ({ranks})"
         )
-    if placement == "v" and ranks < 1:
-        raise PpsplitError(f"schedule={schedule} needs at least 2 stages")
     return RankPlan(ranks, per_rank, placement)
 
 

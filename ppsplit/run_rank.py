@@ -110,6 +110,7 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
     else:
         modules = {i: split.stages[i].to(device) for i in mine}
     del model
+    separate_local_copies(modules)
     split.stages = [modules.get(i) for i in range(n_stages)]  # drop the other ranks' stages
     rss_growth = peak_rss_bytes() - rss_before
     rank_of_stage = {i: r for r in range(ranks)
@@ -195,6 +196,33 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
         "tie_comm_groups": ties.comm_groups(),
         "pid": os.getpid(),
     }
+
+
+def separate_local_copies(modules: dict[int, torch.nn.Module]) -> None:
+    """Give each stage on this rank its own tensor for a tie its stages share.
+
+    Splitting hands every stage the caller's tensor, so the first and last stage of a V
+    placement (both on rank 0) would hold one tensor; torch's schedules scale and write each
+    stage's gradients on their own, which would count that tensor twice. TieSync then sums the
+    copies' gradients like any other pair of copies."""
+    owner: dict[int, int] = {}
+    for i in sorted(modules):
+        stage = modules[i]
+        named = dict(stage.named_parameters(remove_duplicate=False))
+        named.update(stage.named_buffers(remove_duplicate=False))
+        copies: dict[int, torch.Tensor] = {}
+        replace = {}
+        for fqn, tensor in named.items():
+            if owner.get(id(tensor), i) != i:
+                if id(tensor) not in copies:
+                    data = tensor.detach().clone()
+                    copies[id(tensor)] = (torch.nn.Parameter(data, tensor.requires_grad)
+                                          if isinstance(tensor, torch.nn.Parameter) else data)
+                replace[fqn] = copies[id(tensor)]
+        if replace:
+            adopt_tensors(stage, replace, only_known=True)
+        for tensor in list(stage.parameters()) + list(stage.buffers()):
+            owner.setdefault(id(tensor), i)
 
 
 def peak_rss_bytes() -> int:
