@@ -9,10 +9,7 @@ import time
 from dataclasses import dataclass
 
 from ppsplit.errors import CheckFailed, PpsplitError
-from ppsplit.run_rank import SCHEDULE_CLASSES, rank_main
-
-PLACEMENTS = {"gpipe": "single", "1f1b": "single", "interleaved_1f1b": "loop", "looped_bfs": "loop",
-              "interleaved_zb": "loop", "zbv": "v", "dualpipev": "v"}
+from ppsplit.run_rank import SCHEDULES, rank_main
 
 
 @dataclass
@@ -24,9 +21,9 @@ class RankPlan:
 
 def plan_ranks(schedule: str, stages: int, stages_per_rank: int | None, microbatches: int) -> RankPlan:
     """Map stages to ranks for ``schedule``, refusing combinations the schedule cannot run."""
-    if schedule not in SCHEDULE_CLASSES:
-        raise PpsplitError(f"schedule {schedule!r} is not known; allowed: {', '.join(SCHEDULE_CLASSES)}")
-    placement = PLACEMENTS[schedule]
+    if schedule not in SCHEDULES:
+        raise PpsplitError(f"schedule {schedule!r} is not known; allowed: {', '.join(SCHEDULES)}")
+    placement = SCHEDULES[schedule][1]
     if placement == "single":
         if stages_per_rank not in (None, 1):
             raise PpsplitError(

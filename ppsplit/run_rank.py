@@ -21,14 +21,16 @@ from ppsplit.stage_code import adopt_tensors, retarget_devices
 from ppsplit.ties import TieSync
 from ppsplit.trace_split import split as split_model
 
-SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
+# Each schedule: its torch.distributed.pipelining class, and how stages map to ranks
+# ("single": one stage per rank; "loop": rank r runs r, r+R, ...; "v": rank r runs r and 2R-1-r).
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
 }
 
 
@@ -128,7 +130,7 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
             input_args=ins,
             output_args=outs[0] if len(outs) == 1 else outs,
         ))
-    schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[task["schedule"]])
+    schedule_cls = getattr(pipelining, SCHEDULES[task["schedule"]][0])
     schedule = schedule_cls(
         pipe_stages if len(pipe_stages) > 1 or task["placement"] != "single" else pipe_stages[0],
         n_microbatches=m,
