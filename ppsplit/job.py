@@ -199,7 +199,7 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
             from ppsplit.run_rank import save_checkpoint
 
             save_checkpoint(ckpt, modules)
-    if job_handle is not None:
+    else:
         from ppsplit import dispatch
 
         # Wait first: a reference trained meanwhile would take the ranks' CPUs and distort their
@@ -213,11 +213,11 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
         step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
         digests = {k: v for r in results for k, v in r["digests"].items()}
     if any(p.is_meta for p in model.parameters()):
-        s = model_settings(cfg)
-        small = build.count_params(s["class_name"], s["config"], s["pretrained"]) <= build.INIT_THRESHOLD_PARAMS
         # The unsplit reference needs the whole model in memory: only when it is small.
+        size = sum({id(p): p.numel() for p in model.parameters()}.values())
+        s = model_settings(cfg)
         reference_model = (build.build_model(s["class_name"], s["config"], s["pretrained"], cfg.seed)
-                           if small else None)
+                           if size <= build.INIT_THRESHOLD_PARAMS else None)
     reference = (None if reference_model is None else
                  train_in_process(reference_model, [reference_model], batch_for, cfg.steps,
                                   cfg.microbatches, loss_fn, optimizer))

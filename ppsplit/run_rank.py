@@ -34,6 +34,11 @@ SCHEDULES = {
 }
 
 
+def median_after_first(times: list[float]) -> float | None:
+    """The step time: the median of the steps after the first (which also warms up)."""
+    return statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None)
+
+
 def stages_of_rank(rank: int, ranks: int, per_rank: int, placement: str) -> list[int]:
     """The stage indices rank ``rank`` runs: loop placement gives rank r stages r, r+R, ...;
     V placement gives it stages r and 2R-1-r, so the first and last stage share rank 0."""
@@ -188,7 +193,7 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
         "stages": mine,
         "losses": losses,
         "step_times_s": times,
-        "step_time_s": statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None),
+        "step_time_s": median_after_first(times),
         "first_grads": first_grads,
         "state": state,
         "stage_bytes": sum(t.numel() * t.element_size()
@@ -326,7 +331,7 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
     return {
         "losses": losses,
         "step_times_s": times,
-        "step_time_s": statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None),
+        "step_time_s": median_after_first(times),
         "first_grads": first_grads,
         "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules],
     }

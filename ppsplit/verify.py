@@ -189,13 +189,25 @@ def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequ
     Without a ``reference`` (a model too large for the driver), only the ties and the losses'
     finiteness are checked.
     """
+    ref_state = reference["state"][0] if reference is not None else None
+    ties = []
+    for group in tie_groups:
+        copies = [(key, state[key]) for state in states for key in group if key in state]
+        if not copies:
+            continue
+        first = copies[0][1]
+        ties.append({
+            "keys": list(group),
+            "copies": len(copies),
+            "copies_bitwise_equal": all(torch.equal(first, t) for _, t in copies),
+            "max_abs_diff_vs_reference": None if ref_state is None else max(
+                (t.float() - ref_state[k].float()).abs().max().item() for k, t in copies),
+        })
     if reference is None:
-        ties = [{"keys": list(g), "copies": len(c), "copies_bitwise_equal": all(torch.equal(c[0], t) for t in c),
-                 "max_abs_diff_vs_reference": None}
-                for g in tie_groups if (c := [st[k] for st in states for k in g if k in st])]
         ok = all(math.isfinite(x) for x in losses) and all(t["copies_bitwise_equal"] for t in ties)
         return {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
                 "grad_max_abs_diff": None, "worst_grad": "", "ties": ties, "ok": ok}
+
     ref_losses = reference["losses"]
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)]
     max_rel = max(rel, default=0.0) if len(losses) == len(ref_losses) else float("inf")
@@ -209,20 +221,6 @@ def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequ
             if diff > grad_diff:
                 grad_diff, worst = diff, key
 
-    ref_state = reference["state"][0]
-    ties = []
-    for group in tie_groups:
-        copies = [(key, state[key]) for state in states for key in group if key in state]
-        if not copies:
-            continue
-        first = copies[0][1]
-        ties.append({
-            "keys": list(group),
-            "copies": len(copies),
-            "copies_bitwise_equal": all(torch.equal(first, t) for _, t in copies),
-            "max_abs_diff_vs_reference": max(
-                (t.float() - ref_state[k].float()).abs().max().item() for k, t in copies),
-        })
     ok = (max_rel <= loss_rtol and grad_diff <= grad_atol and
           all(t["copies_bitwise_equal"] and t["max_abs_diff_vs_reference"] <= tie_atol for t in ties))
     return {
