@@ -10,21 +10,25 @@ and part of what is measured: eagerly, transformers with SDPA attention returns 
 SDPA apply causality itself, while the traced stage materializes the boolean mask (it must hand
 it to stage 1) and passes it to SDPA.
 
-Three sides, all under ``torch.no_grad()`` in eval mode:
-- ``generated``: the stage as ppsplit builds it (unflattened modules running generated code);
-- ``interpreter``: a second split of the same model whose unflattened modules are switched back
-  to ``torch.fx.Interpreter`` (``_run_with_interpreter=True``), torch's default;
+The sides, all under ``torch.no_grad()`` in eval mode:
+- ``generated``: the stage as ppsplit builds it (unflattened modules running generated code, the
+  mask region, which reads no input, computed once: ``stage_code.fold_constants``);
+- ``unfolded`` (diagnostic): the same without that folding, so the mask is built on every call;
+- ``interpreter``: the unfolded stage switched back to ``torch.fx.Interpreter``
+  (``_run_with_interpreter=True``), torch's default;
 - ``eager``: the original modules as above;
 - ``eager_mask`` (diagnostic): the same, but the blocks get the stage's materialized boolean
   mask, made once outside the timing, instead of none. Its distance to ``eager`` is the cost of
-  attention with an explicit mask; ``generated`` minus ``eager_mask`` is what remains: building
-  the mask plus any cost of the stage's code itself.
+  attention with an explicit mask; ``unfolded`` minus ``eager_mask`` is the cost of building the
+  mask on every call plus any cost of the stage's code itself, and ``generated`` minus
+  ``eager_mask`` what remains of the latter once the mask is built once.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from unittest import mock
 
 import torch
 
@@ -74,12 +78,14 @@ def _measure(label, shape, microbatch, target, repeats: int, sample_s: float) ->
     kwargs = dict(models.CALL_KWARGS)
     split = ppsplit.split(model, (ids,), kwargs, stages=2)
     assert split.points == [f"transformer.h.{n_blocks}"], split.points
-    interp_stage = _interpreted(ppsplit.split(model, (ids,), kwargs, stages=2).stages[0])
+    with mock.patch("ppsplit.stage_code.fold_constants", lambda module: 0):
+        unfolded = ppsplit.split(model, (ids,), kwargs, stages=2).stages[0]
+        interp_stage = _interpreted(ppsplit.split(model, (ids,), kwargs, stages=2).stages[0])
     stage = split.stages[0]
 
     with torch.no_grad():
         hidden = eager_stage0(model, ids, n_blocks)
-        outs = {"generated": stage(ids), "interpreter": interp_stage(ids)}
+        outs = {"generated": stage(ids), "unfolded": unfolded(ids), "interpreter": interp_stage(ids)}
         # The stage returns the mask and the hidden state; find the hidden state by its shape.
         hidden_pos, = [i for i, t in enumerate(outs["generated"])
                        if t.is_floating_point() and t.shape == hidden.shape]
@@ -98,6 +104,7 @@ def _measure(label, shape, microbatch, target, repeats: int, sample_s: float) ->
         inner = max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-6)))
         cases = {
             "generated": harness.Case(lambda _: stage(ids), inner=inner),
+            "unfolded": harness.Case(lambda _: unfolded(ids), inner=inner),
             "interpreter": harness.Case(lambda _: interp_stage(ids), inner=inner),
             "eager": harness.Case(eager_call, inner=inner),
             "eager_mask": harness.Case(lambda _: eager_stage0(model, ids, n_blocks, stage_mask),
@@ -107,6 +114,7 @@ def _measure(label, shape, microbatch, target, repeats: int, sample_s: float) ->
     sides = {k: harness.summary(v) for k, v in samples.items()}
     gen = harness.ratio(samples["generated"], samples["eager"])
     interp = harness.ratio(samples["interpreter"], samples["eager"])
+    unfolded_r = harness.ratio(samples["unfolded"], samples["eager"])
     masked_r = harness.ratio(samples["eager_mask"], samples["eager"])
     return {
         "label": label,
@@ -119,6 +127,7 @@ def _measure(label, shape, microbatch, target, repeats: int, sample_s: float) ->
         **sides,
         "generated_over_eager": gen["ratio"],
         "generated_over_eager_pairs": [gen["pair_min"], gen["pair_max"]],
+        "unfolded_over_eager": unfolded_r["ratio"],
         "interpreter_over_eager": interp["ratio"],
         "interpreter_over_eager_pairs": [interp["pair_min"], interp["pair_max"]],
         "eager_mask_over_eager": masked_r["ratio"],
@@ -138,18 +147,20 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
         for label, shape, mb, target in sizes:
             row = _measure(label, shape, mb, target, repeats, sample_s)
             warnings += harness.noise_warnings(
-                f"{NAME} {label}", {k: row[k] for k in ("generated", "interpreter", "eager", "eager_mask")})
+                f"{NAME} {label}",
+                {k: row[k] for k in ("generated", "unfolded", "interpreter", "eager", "eager_mask")})
             rows.append(row)
 
         print(f"\n== {NAME}: GPT2 stage 0 forward (embeddings + first half of the blocks), "
               f"no_grad, torch threads={threads} ==")
-        headers = ["model", "microbatch", "generated [min, max]", "interpreter [min, max]",
-                   "eager [min, max]", "eager_mask [min, max]", "gen/eager", "interp/eager",
-                   "eager_mask/eager", "target"]
+        headers = ["model", "microbatch", "generated [min, max]", "unfolded [min, max]",
+                   "interpreter [min, max]", "eager [min, max]", "eager_mask [min, max]",
+                   "gen/eager", "unfolded/eager", "interp/eager", "eager_mask/eager", "target"]
         table = [[r["label"], "x".join(map(str, r["microbatch"])), harness.fmt_stats(r["generated"]),
-                  harness.fmt_stats(r["interpreter"]), harness.fmt_stats(r["eager"]),
-                  harness.fmt_stats(r["eager_mask"]),
-                  f"{r['generated_over_eager']:.3f}x", f"{r['interpreter_over_eager']:.3f}x",
+                  harness.fmt_stats(r["unfolded"]), harness.fmt_stats(r["interpreter"]),
+                  harness.fmt_stats(r["eager"]), harness.fmt_stats(r["eager_mask"]),
+                  f"{r['generated_over_eager']:.3f}x", f"{r['unfolded_over_eager']:.3f}x",
+                  f"{r['interpreter_over_eager']:.3f}x",
                   f"{r['eager_mask_over_eager']:.3f}x",
                   f"<= {r['target_max_ratio']}x {'met' if r['meets_target'] else 'NOT met'}"]
                  for r in rows]
@@ -162,7 +173,8 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
         data = {
             "quick": quick,
             "threads": threads,
-            "compared": "ppsplit stage 0 (generated code / fx interpreter) vs GPT2Model.forward's "
+            "compared": "ppsplit stage 0 (generated code with constants folded / without / fx "
+                        "interpreter) vs GPT2Model.forward's "
                         "own steps up to the split block on the original modules",
             "ratio": rows[0]["generated_over_eager"],
             "sizes": rows,

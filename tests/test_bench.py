@@ -62,10 +62,11 @@ def test_stage_overhead(tmp_path):
     data = run_quick("stage_overhead", tmp_path)
     assert data["sizes"]
     for row in data["sizes"]:
-        check_sides(row, ("generated", "interpreter", "eager", "eager_mask"))
-        for key in ("generated_over_eager", "interpreter_over_eager", "eager_mask_over_eager"):
+        check_sides(row, ("generated", "unfolded", "interpreter", "eager", "eager_mask"))
+        for key in ("generated_over_eager", "unfolded_over_eager", "interpreter_over_eager",
+                    "eager_mask_over_eager"):
             assert positive(row[key])
-        assert row["max_abs_diff_vs_eager"] == {"generated": 0.0, "interpreter": 0.0}
+        assert row["max_abs_diff_vs_eager"] == {"generated": 0.0, "unfolded": 0.0, "interpreter": 0.0}
 
 
 def test_tied_memory(tmp_path):
