@@ -12,11 +12,12 @@ Constants computed once. With static shapes, part of a traced graph reads no inp
 causal mask (38 ops of ``arange``/``index``/``le``/``and`` over the static sequence length, where
 the eager model with SDPA builds none), T5's relative position buckets, BERT's token types.
 ``fold_constants`` moves such a region into one ``CachedConstants`` call, which runs it the
-first time and hands back the same tensors afterwards for as long as the buffers it reads are
-the same tensors at the same version and nobody has written into its results
-(``Tensor._version``); otherwise it runs the region again. At GPT2 4L x 64 with a 4x16
-microbatch this takes stage 0 from 1.39x to 1.02-1.07x the eager forward (bench
-``stage_overhead``).
+first time and hands back the same tensors afterwards, for as long as the buffers it reads and
+the results it gave are unwritten and the global settings an op may follow (default dtype,
+autocast) unchanged; otherwise it runs the region again. A region is only formed where running
+it ahead of the rest of the graph, once, changes nothing: no write from outside can reach it
+(``_constant_nodes``). At GPT2 4L x 64 with a 4x16 microbatch this takes stage 0 from 1.39x to
+1.02-1.07x the eager forward (bench ``stage_overhead``).
 """
 
 import operator
@@ -50,42 +51,63 @@ def use_generated_code(module: torch.nn.Module) -> torch.nn.Module:
 
 # Fake tensors, functionalization, make_fx's proxies: a tracer that must see the region's ops.
 _INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
+
+
+def _run_state() -> tuple:
+    """The global settings an op's result may depend on without reading them as inputs."""
+    autocast = None
+    if torch._C._is_any_autocast_enabled():
+        autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in _AUTOCAST_DEVICES)
+    return torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), autocast
+
+
+def _stamp(tensors) -> list[tuple]:
+    # A write in place bumps _version; ``.data =`` and swap_tensors change the storage.
+    return [(t, t._version, t.data_ptr()) for t in tensors]
 
 
 class CachedConstants:
     """A graph region that reads no input, run once and reused while what it read is unchanged.
 
     Called with the tensors the region reads (buffers, lifted constants), it returns the
-    region's outputs; a call finds them cached if it gets the very same tensors at the same
-    versions and no output has been written to since. Under a tracer or a dispatch mode (fake
-    tensors, export, make_fx), or when an input needs gradients, it just runs the region."""
+    region's outputs. A call finds them cached if it gets the very same tensors, unwritten
+    since (version and storage), no output has been written to, and the default dtype, the
+    deterministic-algorithms flag and autocast are as they were. Under a tracer or a mode (fake
+    tensors, export, make_fx, a TorchFunctionMode), or when an input needs gradients or is an
+    inference tensor, it just runs the region. Writes that bypass autograd's version counter
+    (``t.data.add_()``) are not seen, as autograd does not see them either."""
 
     __name__ = "cached_constants"  # fx names the call after it
 
     def __init__(self, graph: fx.Graph):
         self.region = fx.GraphModule(torch.nn.Module(), graph)
-        self._memo = None  # (inputs, their versions, outputs, their versions)
+        self._memo = None  # (stamped inputs, run state, outputs, stamped outputs)
 
     def clear(self) -> None:
         self._memo = None
 
     def __call__(self, *inputs):
         if (fx._symbolic_trace.is_fx_symbolic_tracing()
+                or torch._C._is_torch_function_mode_enabled()
                 or any(torch._C._get_dispatch_mode(key) is not None for key in _INFRA_MODES)
                 or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
-                or any(t.requires_grad for t in inputs)):
+                or any(t.requires_grad or t.is_inference() for t in inputs)):
             return self.region(*inputs)
+        state = _run_state()
         memo = self._memo
         if memo is not None:
-            held, versions, outputs, out_versions = memo
-            if (all(a is b for a, b in zip(held, inputs))
-                    and [t._version for t in inputs] == versions
-                    and [t._version for t in outputs] == out_versions):
+            held, held_state, outputs, stamped = memo
+            if (held_state == state and len(held) == len(inputs)
+                    and all(h[0] is t for h, t in zip(held, inputs))
+                    and _stamp(inputs) == held and _stamp(outputs) == stamped):
                 return outputs
-        # Normal tensors even under inference_mode, so that a later training step can use them.
-        with torch.inference_mode(False), torch.no_grad():
+        # Normal tensors, made in grad mode (views made under no_grad refuse later in-place
+        # writes under autograd); no input needs gradients, so nothing is recorded.
+        with torch.inference_mode(False), torch.enable_grad():
             outputs = tuple(self.region(*inputs))
-        self._memo = (inputs, [t._version for t in inputs], outputs, [t._version for t in outputs])
+        self._memo = (_stamp(inputs), state, outputs, _stamp(outputs))
         return outputs
 
 
@@ -97,13 +119,30 @@ def _deterministic_op(target) -> bool:
 
 
 def _written_args(node: fx.Node) -> list[fx.Node]:
-    """The input nodes that ``node``'s op writes into (``add_``'s ``self``...)."""
+    """The input nodes that ``node`` may write into: those its op's schema marks written
+    (``add_``'s ``self``...), or every input of a call whose effects are unknown."""
+    target = node.target
+    if target is operator.getitem or isinstance(target, CachedConstants):
+        return []
+    if not isinstance(target, torch._ops.OpOverload):
+        return list(node.all_input_nodes)
     written = []
-    for i, arg in enumerate(node.target._schema.arguments):
+    for i, arg in enumerate(target._schema.arguments):
         value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         if arg.alias_info is not None and arg.alias_info.is_write:
             fx.node.map_arg(value, written.append)
     return written
+
+
+def _may_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s value may share storage with one of its inputs."""
+    target = node.target
+    if isinstance(target, CachedConstants):
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return (target is torch.ops.aten._unsafe_view.default  # shares storage, not version
+                or any(r.alias_info is not None for r in target._schema.returns))
+    return True  # getitem, submodules, anything else
 
 
 def _returns_tensor(node: fx.Node) -> bool:
@@ -113,73 +152,109 @@ def _returns_tensor(node: fx.Node) -> bool:
     return bool(returns) and len(returns) == 1 and isinstance(returns[0].type, torch.TensorType)
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        for n in todo.pop().all_input_nodes:
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen
+class _Storage:
+    """Which nodes of a graph may hold storage of the tensors it was given, of its own state
+    (buffers, constants) or of a region, following views and anything else that may alias."""
+
+    def __init__(self, **roots: set[fx.Node]):
+        self.sets = {name: set(nodes) for name, nodes in roots.items()}
+
+    def follow(self, node: fx.Node) -> None:
+        if _may_alias(node):
+            for nodes in self.sets.values():
+                if any(n in nodes for n in node.all_input_nodes):
+                    nodes.add(node)
+
+    def hit(self, name: str, nodes) -> bool:
+        return any(n in self.sets[name] for n in nodes)
 
 
-def _graph_may_write_inputs(module: torch.nn.Module) -> bool:
-    """Whether a submodule's graphs hold any op that could write into a tensor it was given."""
-    for sub in module.modules():
-        graph = getattr(sub, "graph", None)
-        for node in graph.nodes if isinstance(graph, fx.Graph) else ():
-            if node.op == "call_function" and _may_write(node):
-                return True
-    return False
-
-
-def _may_write(node: fx.Node) -> bool:
-    target = node.target
-    if target is operator.getitem or isinstance(target, CachedConstants):
-        return False
-    return not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable
+def _writes(module: torch.nn.Module, seen: dict) -> tuple[bool, bool]:
+    """(may write into a tensor it is given, may write into state) for a submodule's graph,
+    through its own submodules; an unflattened module called several times
+    (``InterpreterModuleDispatcher``) counts every call's graph."""
+    if id(module) in seen:
+        return seen[id(module)]
+    seen[id(module)] = (True, True)  # until known (and for recursion)
+    graphs = [getattr(m, "graph", None) for m in getattr(module, "_call_modules", [module])]
+    if not all(isinstance(g, fx.Graph) for g in graphs):
+        return seen[id(module)]
+    given = state = False
+    for graph in graphs:
+        storage = _Storage(given=set(graph.find_nodes(op="placeholder")),
+                           state=set(graph.find_nodes(op="get_attr")))
+        for node in graph.nodes:
+            if node.op == "call_module":
+                sub_given, sub_state = _writes(module.get_submodule(node.target), seen)
+                state |= sub_state or (sub_given and storage.hit("state", node.all_input_nodes))
+                given |= sub_given and storage.hit("given", node.all_input_nodes)
+            elif node.op == "call_function":
+                written = _written_args(node)
+                given |= storage.hit("given", written)
+                state |= storage.hit("state", written)
+            if node.op in ("call_module", "call_function"):
+                storage.follow(node)
+    seen[id(module)] = (given, state)
+    return given, state
 
 
 def _constant_nodes(module: torch.nn.Module, graph: fx.Graph) -> list[fx.Node]:
-    """The nodes, in graph order, whose values depend on no input and no parameter, and that can
-    all run ahead of the rest of the graph.
+    """The nodes, in graph order, whose values depend on no input and no parameter, and that
+    can all run, once, ahead of the rest of the graph.
 
-    An op that writes into its input (T5's ``relative_buckets += ...``) joins them only if what
-    it writes derives from no buffer (the region would write into it once instead of on every
-    call) and no value of the region has been read outside it yet (that read must see the value
-    from before the write). Once a node outside the region may write into a value derived from
-    it (an in-place op, or a submodule whose graph holds one), nothing later joins: it would see
-    the value from before that write."""
+    - An op that writes into its input (T5's ``relative_buckets += ...``) joins only if what it
+      writes holds no buffer (the region would write into it once, not on every call) and no
+      region value has been read outside yet (that read must see the value from before).
+    - Once a node outside may write into a buffer (in place, or a submodule into its own), no
+      buffer joins any more, and if the region already reads one, nothing joins: it would read
+      the buffer from before that write.
+    - If a node outside may write into a region value (or a view of one), nothing is folded:
+      later calls would get the written value back.
+    """
     constant: dict[fx.Node, None] = {}
-    derived: set[fx.Node] = set()  # outside the region, computed from its values
-    read_outside = False
+    storage = _Storage(region=set(), state=set())
+    read_outside = buffers_may_change = False
+    seen: dict = {}
     for node in graph.nodes:
         ok = False
         if node.op == "get_attr":
             value = module
             for part in node.target.split("."):
                 value = getattr(value, part, None)
-            ok = isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+            storage.sets["state"].add(node)
+            ok = (not buffers_may_change and isinstance(value, torch.Tensor)
+                  and not isinstance(value, torch.nn.Parameter))
         elif (node.op == "call_function" and _deterministic_op(node.target)
               and all(n in constant for n in node.all_input_nodes)):
-            ok = not _may_write(node) or (not read_outside and not any(
-                a.op == "get_attr" for w in _written_args(node) for a in _ancestors(w) | {w}))
+            written = _written_args(node)
+            ok = not written or (not read_outside and not storage.hit("state", written))
         if ok:
             constant[node] = None
+            if node.op != "get_attr":
+                storage.sets["region"].add(node)
+                storage.follow(node)
             continue
-        touched = [n for n in node.all_input_nodes if n in constant or n in derived]
-        if not touched:
+        if node.op in ("placeholder", "get_attr"):
             continue
-        read_outside = True
-        derived.add(node)
+        read_outside |= storage.hit("region", node.all_input_nodes)
         if node.op == "call_module":
-            writes = _graph_may_write_inputs(module.get_submodule(node.target))
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            writes = any(w in constant or w in derived for w in _written_args(node))
-        else:
-            writes = node.op != "output" and _may_write(node)
-        if writes:
-            break
+            given, own = _writes(module.get_submodule(node.target), seen)
+            into_region = given and storage.hit("region", node.all_input_nodes)
+            into_state = own or (given and storage.hit("state", node.all_input_nodes))
+        elif node.op == "call_function":
+            written = _written_args(node)
+            into_region = storage.hit("region", written)
+            into_state = storage.hit("state", written)
+        else:  # output
+            into_region = into_state = False
+        if into_region:
+            return []
+        if into_state:
+            if any(n.op == "get_attr" for n in constant):
+                break
+            buffers_may_change = True
+        if node.op != "output":
+            storage.follow(node)
     return list(constant)
 
 
@@ -231,9 +306,11 @@ def retarget_devices(module: torch.nn.Module, device) -> torch.nn.Module:
             if args != node.args or kwargs != node.kwargs:
                 node.args, node.kwargs, changed = args, kwargs, True
             if isinstance(node.target, CachedConstants):
-                node.target.clear()
-                if retarget(node.target.region.graph):
-                    node.target.region.recompile()
+                # A new region, not this one rewritten: a deepcopy of the stage shares it.
+                copied = fx.Graph()
+                copied.output(copied.graph_copy(node.target.region.graph, {}))
+                if retarget(copied):
+                    node.target, changed = CachedConstants(copied), True
         return changed
 
     for sub in module.modules():

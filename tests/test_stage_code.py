@@ -2,6 +2,7 @@
 compute the parts of their graphs that read no input once."""
 
 import importlib
+import operator
 
 import pytest
 import torch
@@ -166,3 +167,128 @@ def test_writes_keep_their_order():
         assert torch.equal(written, torch.arange(4.0) + 1 + x)
         assert torch.equal(after, 2 * (torch.arange(4.0) + 1 + x))
         assert torch.equal(root.count, (torch.arange(4.0) + 1) * call)
+
+
+def _pair(build, root_of=torch.nn.Module):
+    """The same graph twice, as (folded, unfolded) GraphModules, and how many ops were folded."""
+    modules = []
+    for fold in (True, False):
+        root = root_of()
+        module = fx.GraphModule(root, _graph(build))
+        folded = stage_code.fold_constants(module) if fold else 0
+        module.recompile()
+        modules.append((module, folded))
+    (folded, n), (plain, _) = modules
+    return folded, plain, n
+
+
+def _steps(g: fx.Graph) -> fx.Node:
+    """arange(4) + 1, as float: a region of two ops."""
+    aten = torch.ops.aten
+    return g.call_function(aten.add.Tensor, (g.call_function(
+        aten.arange.default, (4,), {"dtype": torch.float32}), 1))
+
+
+def test_a_submodule_that_writes_a_buffer_is_not_overtaken():
+    aten = torch.ops.aten
+    writer = fx.Graph()
+    writer.output((writer.call_function(aten.add_.Tensor, (writer.get_attr("count"), writer.placeholder("x"))),))
+
+    def root_of():
+        sub = torch.nn.Module()
+        sub.register_buffer("count", torch.zeros(4))
+        root = torch.nn.Module()
+        root.sub = fx.GraphModule(sub, writer)
+        return root
+
+    def build(g):
+        x = g.placeholder("x")
+        steps = _steps(g)
+        g.call_module("sub", (x,))
+        read = g.call_function(aten.mul.Tensor, (g.get_attr("sub.count"), steps))  # after the write
+        return (g.call_function(aten.clone.default, (read,)),)
+
+    folded, plain, n = _pair(build, root_of)
+    assert n == 2
+    for _ in range(3):
+        assert torch.equal(folded(torch.ones(4))[0], plain(torch.ones(4))[0])
+
+
+def test_a_write_into_a_region_value_from_outside_folds_nothing():
+    aten = torch.ops.aten
+    sub = fx.Graph()
+    given, x = sub.placeholder("given"), sub.placeholder("x")
+    alias = sub.call_function(aten._unsafe_view.default, (given, [4]))  # storage, not version
+    sub.output((sub.call_function(aten.clone.default, (sub.call_function(aten.add_.Tensor, (alias, x)),)),))
+
+    def root_of():
+        root = torch.nn.Module()
+        root.sub = fx.GraphModule(torch.nn.Module(), sub)
+        return root
+
+    def build(g):
+        x = g.placeholder("x")
+        return (g.call_function(operator.getitem, (g.call_module("sub", (_steps(g), x)), 0)),)
+
+    folded, plain, n = _pair(build, root_of)
+    assert n == 0
+    assert [folded(torch.ones(4))[0].tolist() for _ in range(2)] == [[2.0, 3.0, 4.0, 5.0]] * 2
+
+
+def test_cached_constants_see_global_settings_and_replaced_storage():
+    aten = torch.ops.aten
+
+    def root_of():
+        root = torch.nn.Module()
+        root.register_buffer("base", torch.zeros(4))
+        return root
+
+    def build(g):
+        x = g.placeholder("x")
+        scaled = g.call_function(aten.mul.Tensor, (g.call_function(aten.add.Tensor, (g.get_attr("base"), 1)),
+                                                   g.call_function(aten.full.default, ([4], 2.0))))
+        square = g.call_function(aten.mm.default, (g.call_function(aten.view.default, (scaled, [4, 1])),
+                                                   g.call_function(aten.view.default, (scaled, [1, 4]))))
+        return (g.call_function(aten.add.Tensor, (scaled, x)), square)
+
+    folded, plain, n = _pair(build, root_of)
+    assert n == 6
+    x = torch.zeros(4)
+
+    def same():
+        for a, b in zip(folded(x), plain(x), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+    same()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # aten.full without a dtype follows it
+    try:
+        same()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.autocast("cpu", torch.bfloat16):
+        same()
+    same()
+    for module in (folded, plain):
+        module.base.data = torch.full((4,), 10.0)  # new storage, same version
+    same()
+    for module in (folded, plain):
+        torch.utils.swap_tensors(module.base, torch.full((4,), 20.0))
+    same()
+    with torch.inference_mode():
+        frozen = torch.full((4,), 30.0)
+    for module in (folded, plain):
+        module.base = frozen  # an inference tensor keeps no version: never cached
+    with torch.inference_mode():
+        same()
+
+
+def test_views_cached_under_no_grad_take_in_place_writes_under_autograd():
+    aten = torch.ops.aten
+    cached = CachedConstants(_graph(lambda g: (g.call_function(aten.slice.Tensor, (_steps(g), 0, 0, 4)),)))
+    with torch.no_grad():
+        cached()
+    view, = cached()
+    x = torch.ones(4, requires_grad=True)
+    (view.add_(x) * 2).sum().backward()  # a view made under no_grad would refuse this
+    assert torch.equal(x.grad, torch.full((4,), 2.0))
