@@ -3,7 +3,10 @@ weighting, at GPT2 124M and LLaMA 7B shapes traced on meta (no weights allocated
 
 The balance figure is max/mean of the stages' cost: 1.0 is perfect, and the pipeline runs at
 the pace of the max. Each strategy is scored under both costs (parameters and forward+backward
-FLOPs); ``flops`` must be at least as good as every other strategy on FLOPs.
+FLOPs); ``flops`` must be at least as good as every other strategy on FLOPs. ppsplit's
+``params`` and ``flops`` may cut before the final norm, so the head can be a stage of its own
+(the sizes then count the head as one more unit); "flops, block starts only" shows what that
+adds, and every other row cuts at block starts.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from bench import harness
 from ppsplit import build, plan
-from ppsplit.trace_split import export, find_blocks, module_run_order
+from ppsplit.trace_split import export, find_blocks, module_run_order, unit_starts
 
 SHAPES = {
     "gpt2-124M": ("GPT2LMHeadModel", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, bos_token_id=0, eos_token_id=0,
@@ -58,15 +61,20 @@ def stage_sums(costs: list[float], sizes: list[int]) -> list[float]:
     return out
 
 
-def strategies(units: dict[str, list[float]], stages: int) -> dict[str, list[int]]:
-    n = len(units["params"])
+def strategies(by_block: dict[str, list[float]], with_head: dict[str, list[float]],
+               stages: int) -> dict[str, tuple[dict[str, list[float]], list[int]]]:
+    """Each strategy's units and its stage sizes in them. ppsplit's balanced strategies may also
+    cut before the final norm (``with_head``: one more unit); the others cut at block starts."""
+    n = len(by_block["params"])
     return {
-        "ppsplit even": _even(n, stages),
-        "ppsplit params": plan.linear_partition(units["params"], stages),
-        "ppsplit flops": plan.linear_partition(units["flops"], stages),
-        "PiPPy equal-size": equal_size_sizes(units["params"], stages),
+        "ppsplit even": (by_block, _even(n, stages)),
+        "ppsplit params": (with_head, plan.linear_partition(with_head["params"], stages)),
+        "ppsplit flops": (with_head, plan.linear_partition(with_head["flops"], stages)),
+        "ppsplit flops, block starts only": (by_block, plan.linear_partition(by_block["flops"], stages)),
+        "PiPPy equal-size": (by_block, equal_size_sizes(by_block["params"], stages)),
         # torchtitan counts the embedding and the norm+head as one layer each
-        "torchtitan weighting": plan.layer_sizes(n, stages, None, first_stage_less=1, last_stage_less=1),
+        "torchtitan weighting": (by_block, plan.layer_sizes(n, stages, None, first_stage_less=1,
+                                                            last_stage_less=1)),
     }
 
 
@@ -75,13 +83,15 @@ def _even(n: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def unit_costs_on_meta(class_name: str, config: dict, seq_len: int) -> dict[str, list[float]]:
+def unit_costs_on_meta(class_name: str, config: dict, seq_len: int) -> tuple[dict, dict]:
+    """Unit costs with a unit per block, and with the head after the last block a unit too."""
     model = build.build_on_meta(class_name, config)
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     program = export(model, (ids,), CALL_KWARGS)
     order = module_run_order(program)
     blocks = find_blocks(model, order)
-    return plan.unit_costs(model, program, blocks, order)
+    return (plan.unit_costs(model, program, blocks, order),
+            plan.unit_costs(model, program, unit_starts(program, order, blocks), order))
 
 
 def main(quick: bool = False, out_dir: str | None = None) -> dict:
@@ -91,11 +101,11 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
     with harness.torch_threads():
         for shape, (cls, config, seq) in shapes.items():
             start = time.perf_counter()
-            units = unit_costs_on_meta(cls, config, seq)
+            by_block, with_head = unit_costs_on_meta(cls, config, seq)
             trace_s = time.perf_counter() - start
             for stages in stage_counts:
                 balances = {}
-                for name, sizes in strategies(units, stages).items():
+                for name, (units, sizes) in strategies(by_block, with_head, stages).items():
                     b = {kind: plan.balance(stage_sums(units[kind], sizes)) for kind in ("params", "flops")}
                     balances[name] = {"sizes": sizes, **b}
                     rows.append([shape, stages, name, " ".join(map(str, sizes)),
@@ -107,7 +117,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
                     "flops_strategy_best_on_flops": balances["ppsplit flops"]["flops"] <= best_other + 1e-12,
                     "flops_gain_vs_best_other": best_other / balances["ppsplit flops"]["flops"],
                 })
-        print(harness.table(["shape", "stages", "strategy", "blocks per stage", "balance params",
+        print(harness.table(["shape", "stages", "strategy", "units per stage", "balance params",
                              "balance flops"], rows))
         for r in results:
             print(f"{r['shape']} x{r['stages']}: flops strategy best on FLOPs: "

@@ -1,9 +1,10 @@
 """Choose where stages begin: by block counts, or balanced by parameters or FLOPs.
 
-The candidate cut points are the starts of the model's repeated blocks. The graph between two
-block starts is one *unit*; the first unit also carries what runs before the first block
-(embeddings, masks, rotary tables) and the last carries what runs after the last block (final
-norm, head, loss). A strategy's stages are contiguous runs of units, and ``params``/``flops``
+The candidate cut points are the starts of the model's repeated blocks and, for ``params`` and
+``flops``, the first module after the last block (``trace_split.unit_starts``). The graph between
+two cut points is one *unit*; the first unit also carries what runs before the first block
+(embeddings, masks, rotary tables) and the last is the final norm, the head and the loss (or,
+for ``even`` and ``layers``, the last block with them). A strategy's stages are contiguous runs of units, and ``params``/``flops``
 pick the runs that minimise the largest stage's cost: an exact linear-partition dynamic
 programme, not a greedy fill.
 """
@@ -61,7 +62,7 @@ def node_forward_flops(node: torch.fx.Node) -> int:
 
 
 def unit_bounds(run_order: dict[str, int], blocks: Sequence[str], n_nodes: int) -> list[tuple[int, int]]:
-    """[start, end) node ranges of the units, one per block."""
+    """[start, end) node ranges of the units, one per cut point in ``blocks``."""
     starts = [run_order[b] for b in blocks]
     return [(0 if i == 0 else s, starts[i + 1] if i + 1 < len(starts) else n_nodes)
             for i, s in enumerate(starts)]

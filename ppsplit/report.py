@@ -8,12 +8,13 @@ import tempfile
 
 
 def stage_rows(split, costs: dict) -> list[dict]:
-    """One row per stage: its blocks, parameters, FLOPs and state_dict keys."""
+    """One row per stage: where it begins, its blocks, parameters, FLOPs and state_dict keys."""
     rows = []
     for index, keys in enumerate(split.stage_keys):
         blocks = [b for b in split.blocks if b in split.stage_modules[index]]
         rows.append({
             "index": index,
+            "begins_at": split.points[index - 1] if index else None,
             "first_block": blocks[0] if blocks else None,
             "last_block": blocks[-1] if blocks else None,
             "num_blocks": len(blocks),
@@ -44,15 +45,15 @@ def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tole
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("stage", "first block", "last block", "params", "GFLOP", "keys")
+    head = ("stage", "begins at", "first block", "last block", "params", "GFLOP", "keys")
     body = [
-        (str(r["index"]), r["first_block"] or "-", r["last_block"] or "-",
+        (str(r["index"]), r["begins_at"] or "(input)", r["first_block"] or "-", r["last_block"] or "-",
          f"{r['num_params']:,}", f"{r['flops'] / 1e9:.3f}", str(r["state_dict_keys"]))
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     def line(cells):
-        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 

@@ -150,6 +150,24 @@ def find_blocks(model: torch.nn.Module, run_order: dict[str, int]) -> list[str]:
     return sorted(blocks, key=run_order.__getitem__)
 
 
+def unit_starts(program: ExportedProgram, run_order: dict[str, int], blocks: Sequence[str]) -> list[str]:
+    """Where a balanced strategy may begin a stage: each block, and the first module that runs
+    after the last block (GPT2's ``transformer.ln_f``, LLaMA's ``model.norm``), so that the final
+    norm and the head, which at a large vocabulary cost several blocks, can be a stage of their
+    own. Of modules that begin at the same op, the outermost is named."""
+    if not blocks:
+        return []
+    last = blocks[-1]
+    end = max(
+        i for i, node in enumerate(program.graph.nodes)
+        if node.op == "call_function"
+        and any(path == last or path.startswith(last + ".")
+                for path, _ in node.meta.get("nn_module_stack", {}).values())
+    )
+    after = sorted((i, len(name), name) for name, i in run_order.items() if name and i > end)
+    return list(blocks) + [after[0][2]] if after else list(blocks)
+
+
 def even_points(blocks: Sequence[str], stages: int) -> list[str]:
     """Split points giving each stage an equal share of the blocks (earlier stages take the
     remainder, since the last stage also carries the head and the loss)."""
@@ -239,7 +257,8 @@ def split(
     Give ``points`` (module FQNs where a stage begins), or ``stages`` and a ``strategy`` over the
     model's repeated blocks: ``even`` (equal block counts), ``layers`` (``layers=[3, 4, 4, 3]``,
     or ``first_stage_less``/``last_stage_less``), ``params`` or ``flops`` (minimise the largest
-    stage's parameters or forward+backward FLOPs at the traced shapes times ``microbatches``).
+    stage's parameters or forward+backward FLOPs at the traced shapes times ``microbatches``;
+    these may also begin the last stage at the final norm, see ``unit_starts``).
     ``args``/``kwargs`` are example inputs (one microbatch); the stages are traced at their
     shapes. ``model`` is not modified.
     """
@@ -265,8 +284,9 @@ def split(
             points = even_points(blocks, stages)
         else:
             even_points(blocks, stages)  # the same limits on the stage count
-            costs = plan.unit_costs(model, program, blocks, run_order, microbatches)[strategy]
-            points = plan.points_from_sizes(blocks, plan.linear_partition(costs, stages))
+            units = unit_starts(program, run_order, blocks)
+            costs = plan.unit_costs(model, program, units, run_order, microbatches)[strategy]
+            points = plan.points_from_sizes(units, plan.linear_partition(costs, stages))
         chosen = strategy
     else:
         chosen = "manual"

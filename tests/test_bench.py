@@ -102,11 +102,14 @@ def test_balance(tmp_path):
     balance.main(quick=True, out_dir=str(tmp_path))
     data = json.loads((tmp_path / "balance.json").read_text())
     for result in data["results"]:
-        assert {"ppsplit even", "ppsplit params", "ppsplit flops", "PiPPy equal-size",
-                "torchtitan weighting"} == set(result["strategies"])
+        assert {"ppsplit even", "ppsplit params", "ppsplit flops", "ppsplit flops, block starts only",
+                "PiPPy equal-size", "torchtitan weighting"} == set(result["strategies"])
         for figures in result["strategies"].values():
             assert figures["params"] >= 1.0 and figures["flops"] >= 1.0
         assert result["flops_strategy_best_on_flops"] is True  # optimal on its own cost
+        with_head, blocks_only = (result["strategies"][k]["flops"]
+                                  for k in ("ppsplit flops", "ppsplit flops, block starts only"))
+        assert with_head <= blocks_only + 1e-12  # one more place to cut can only help
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import ppsplit
 from ppsplit import PpsplitError
 from ppsplit.cli import run
 from ppsplit.plan import balance, layer_sizes, linear_partition, stage_costs, unit_costs
-from ppsplit.trace_split import export, find_blocks, module_run_order
+from ppsplit.trace_split import export, find_blocks, module_run_order, unit_starts
 from helpers import compose_cfg, model_and_batch
 
 
@@ -59,12 +59,13 @@ def test_layer_sizes():
 def test_balanced_strategies_beat_or_match_every_other_split_on_their_own_cost(model):
     net, mbs, _ = model_and_batch(model, "model.config.vocab_size=8000")
     program = export(net, mbs[0].args, mbs[0].kwargs)
-    blocks = find_blocks(net, module_run_order(program))
+    run_order = module_run_order(program)
+    starts = unit_starts(program, run_order, find_blocks(net, run_order))  # blocks and the head
     for kind in ("params", "flops"):
         chosen = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=3, strategy=kind, program=program)
         chosen_cost = max(stage_costs(chosen)[kind])
-        for cut in itertools.combinations(range(1, len(blocks)), 2):
-            other = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=[blocks[i] for i in cut],
+        for cut in itertools.combinations(range(1, len(starts)), 2):
+            other = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=[starts[i] for i in cut],
                                   program=program)
             assert chosen_cost <= max(stage_costs(other)[kind]) * (1 + 1e-9), (kind, cut)
         assert ppsplit.verify_fqns(net, chosen).ok
@@ -73,11 +74,46 @@ def test_balanced_strategies_beat_or_match_every_other_split_on_their_own_cost(m
 def test_flops_strategy_moves_blocks_off_the_head_stage():
     # vocab 8000 makes GPT2's head heavy: the flops split gives the last stage fewer blocks
     net, mbs, _ = model_and_batch("gpt2", "model.config.vocab_size=8000", "model.config.n_layer=8")
-    even = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2)
-    flops = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2, strategy="flops")
-    assert even.points == ["transformer.h.4"]
-    assert int(flops.points[0].split(".")[-1]) > 4
+    even = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=3)
+    flops = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=3, strategy="flops")
+    assert even.points == ["transformer.h.3", "transformer.h.6"]
+
+    def blocks_of_last(split):
+        return [b for b in split.blocks if b in split.stage_modules[-1]]
+
+    assert len(blocks_of_last(flops)) < len(blocks_of_last(even))
     assert balance(stage_costs(flops)["flops"]) < balance(stage_costs(even)["flops"])
+
+
+@pytest.mark.parametrize("model,head", [
+    ("gpt2", "transformer.ln_f"), ("llama", "model.norm"), ("bert", "cls"),
+    ("t5", "decoder.final_layer_norm"),
+])
+def test_the_head_can_be_a_stage_of_its_own(model, head):
+    net, mbs, loss_fn = model_and_batch(model)
+    program = export(net, mbs[0].args, mbs[0].kwargs)
+    run_order = module_run_order(program)
+    blocks = find_blocks(net, run_order)
+    assert unit_starts(program, run_order, blocks) == [*blocks, head]
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=[blocks[len(blocks) // 2], head],
+                          program=program)
+    assert not [b for b in split.blocks if b in split.stage_modules[-1]]
+    assert ppsplit.verify_fqns(net, split).ok
+    numerics = ppsplit.verify_numerics(net, split, mbs, loss_fn)
+    assert numerics.ok(1e-6), numerics
+
+
+def test_flops_gives_a_heavy_head_its_own_stage():
+    # At vocab 8000 GPT2's head costs about ten of its 64-wide blocks.
+    net, mbs, _ = model_and_batch("gpt2", "model.config.vocab_size=8000")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2, strategy="flops")
+    assert split.points == ["transformer.ln_f"]
+    assert set(split.stage_keys[1]) == {"transformer.ln_f.weight", "transformer.ln_f.bias",
+                                        "lm_head.weight"}
+    blocks_only = find_blocks(net, module_run_order(split.program))
+    for point in blocks_only[1:]:
+        other = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, points=[point], program=split.program)
+        assert max(stage_costs(split)["flops"]) < max(stage_costs(other)["flops"])
 
 
 def test_unit_costs_count_embedding_and_head_where_they_run():

@@ -68,6 +68,16 @@ def test_eight_stages_for_an_eight_layer_llama(tmp_path):
     assert_matches_unsplit(data["run"], steps=2)
 
 
+def test_a_head_only_stage_trains_with_its_tie_across_ranks(tmp_path):
+    # split=flops puts GPT2's final norm and tied head on a rank of their own at three stages.
+    code, data = run_report(tmp_path, "model=gpt2", "split=flops", "stages=3")
+    assert code == 0 and data["split_points"][-1] == "transformer.ln_f"
+    head = data["stage_info"][-1]
+    assert head["begins_at"] == "transformer.ln_f" and head["num_blocks"] == 0
+    assert data["fqn_check"]["tied"][0]["stages"] == [0, 2]
+    assert_matches_unsplit(data["run"])
+
+
 @pytest.mark.slow
 def test_adamw_keeps_tied_copies_bitwise_equal_every_step(tmp_path):
     code, data = run_report(tmp_path, "model=gpt2", "stages=4", "optimizer=adamw", "debug.check_ties=true",
