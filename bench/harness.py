@@ -67,14 +67,16 @@ def time_sample(case: Case) -> float:
 
 def interleaved(cases: dict[str, Case], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds per call of each case: ``warmup`` discarded rounds, then ``repeats`` rounds that
-    each take one sample of every case in turn."""
+    each take one sample of every case in turn, in reverse order every other round (A B, B A),
+    so that neither side always runs first or right after a third."""
     for _ in range(warmup):
         for case in cases.values():
             time_sample(case)
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, case in cases.items():
-            samples[name].append(time_sample(case))
+    names = list(cases)
+    for round_ in range(repeats):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            samples[name].append(time_sample(cases[name]))
     return samples
 
 
