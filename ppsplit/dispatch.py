@@ -107,6 +107,16 @@ def _outside_any_job():
         os.environ.update(saved)
 
 
+def cancel(job) -> None:
+    """Cancel ``job``, once. submitit's local controller takes a SIGINT as the order to stop its
+    tasks (SIGINT, then SIGKILL a second later); a second SIGINT arriving meanwhile interrupts
+    it before the SIGKILL and leaves a hung rank running."""
+    if getattr(job, "_ppsplit_cancelled", False):
+        return
+    job._ppsplit_cancelled = True
+    job.cancel(check=False)
+
+
 def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:
     """Every rank's result, or :class:`CheckFailed` naming the first rank that failed.
 
@@ -122,7 +132,7 @@ def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:
         if all(task.done() for task in tasks):
             return [task.result() for task in tasks]
         if time.monotonic() > deadline:
-            job.cancel(check=False)
+            cancel(job)
             raise CheckFailed(
                 f"ranks did not finish within timeout_s={timeout_s:g}; job {job.job_id} cancelled "
                 f"(state: {safe_state(job)})"
@@ -153,7 +163,7 @@ def _root_cause(job, tasks, poll_s: float, grace_s: float) -> str:
         ranked = sorted(errors, key=lambda i: (_cause_rank(errors[i]), i))
         best = ranked[0]
         if _cause_rank(errors[best]) == 0 or time.monotonic() > end or all(t.done() for t in tasks):
-            job.cancel(check=False)
+            cancel(job)
             return f"rank {best} failed: {errors[best]}"
         time.sleep(poll_s)
 

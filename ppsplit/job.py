@@ -146,7 +146,7 @@ def run_job(cfg: DictConfig, output_dir: str) -> int:
             print(report.format_run(run))
     except BaseException:
         if job_handle is not None:  # never leave ranks running behind a failed driver
-            job_handle.cancel(check=False)
+            dispatch.cancel(job_handle)
         raise
 
     ok = fqn.ok and numerics_ok and (run is None or run["ok"])

@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+from submitit.local.local import LocalJob
 
 from ppsplit import CheckFailed, PpsplitError
 from ppsplit.cli import run
@@ -161,13 +162,18 @@ def test_a_failing_rank_fails_the_run_naming_it(tmp_path, mode, expect):
 
 
 @pytest.mark.slow
-def test_a_hanging_rank_times_out(tmp_path):
+def test_a_hanging_rank_times_out(tmp_path, monkeypatch):
+    cancels = []
+    cancel = LocalJob.cancel
+    # A second SIGINT reaching submitit's controller while it stops the ranks leaves them running.
+    monkeypatch.setattr(LocalJob, "cancel", lambda job, check=True: cancels.append(job) or cancel(job, check))
     cfg = compose_cfg("model=gpt2", "debug.crash_rank=0", "debug.crash_step=0", "debug.crash_mode=hang",
                       "timeout_s=20")
     start = time.monotonic()
     with pytest.raises(CheckFailed, match="did not finish within timeout_s=20"):
         run(cfg, str(tmp_path))
     assert time.monotonic() - start < 60
+    assert len(cancels) == 1
     assert processes_gone(tmp_path)
 
 
