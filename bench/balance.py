@@ -124,8 +124,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
                   f"{r['flops_strategy_best_on_flops']} (best other is {r['flops_gain_vs_best_other']:.3f}x "
                   "its max/mean)")
         data = {"quick": quick, "results": results}
-        path = harness.write_json("balance", data, out_dir)
-    print(f"written: {path}")
+        harness.write_json("balance", data, out_dir)
     return data
 
 

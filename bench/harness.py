@@ -173,8 +173,8 @@ def load_note() -> str | None:
 
 
 def write_json(name: str, data: dict, out_dir: str | None = None) -> str:
-    """Write ``data`` with the machine's description to ``<out_dir>/<name>.json``; returns the
-    path. Call it while the benchmark's thread count is still in force.
+    """Write ``data`` with the machine's description to ``<out_dir>/<name>.json``, say where,
+    and return the path. Call it while the benchmark's thread count is still in force.
 
     By default full runs write to ``bench/results/`` and quick runs to ``bench/results/quick/``,
     so a smoke run never overwrites the real figures."""
@@ -186,4 +186,5 @@ def write_json(name: str, data: dict, out_dir: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
         f.write("\n")
+    print(f"wrote {path}")
     return path

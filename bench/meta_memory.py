@@ -132,8 +132,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
     print(harness.table(["rank", "stage", "RSS before (overhead)", "peak RSS", "growth / stage bytes"],
                         [[p["rank"], f"{p['stage_bytes'] / gib:.2f} GiB", f"{p['rss_before'] / 2**20:.0f} MB",
                           f"{p['peak_rss'] / gib:.2f} GiB", f"{p['growth_over_stage']:.3f}"] for p in per_rank]))
-    path = harness.write_json("meta_memory", data, out_dir)
-    print(f"written: {path}")
+    harness.write_json("meta_memory", data, out_dir)
     return data
 
 

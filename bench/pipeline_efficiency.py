@@ -247,8 +247,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
             "warnings": warnings,
             "load_note": note,
         }
-        path = harness.write_json(NAME, data, out_dir)
-        print(f"wrote {path}")
+        harness.write_json(NAME, data, out_dir)
         return data
 
 

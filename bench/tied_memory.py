@@ -95,8 +95,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
             "expected_pipeline_ratio": EXPECTED_PIPELINE,
             "target_ppsplit_ratio": TARGET_PPSPLIT,
         }
-        path = harness.write_json(NAME, data, out_dir)
-        print(f"wrote {path}")
+        harness.write_json(NAME, data, out_dir)
         return data
 
 

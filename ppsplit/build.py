@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ppsplit.errors import PpsplitError, nearest
+from ppsplit.stage_code import same_kind
 
 MODEL_CLASSES = (
     "GPT2LMHeadModel",
@@ -203,8 +204,7 @@ def build_on_meta(class_name: str, config: dict | None = None, pretrained: str |
 
 
 def count_params(class_name: str, config: dict | None = None, pretrained: str | None = None) -> int:
-    model = build_on_meta(class_name, config, pretrained)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return sum(p.numel() for p in build_on_meta(class_name, config, pretrained).parameters())
 
 
 INITS = ("real", "meta", "auto")
@@ -281,9 +281,7 @@ def materialize(model: torch.nn.Module, fqns, device) -> None:
                 if tensor is None or id(tensor) not in targets:
                     continue
                 if id(tensor) not in replaced:
-                    empty = torch.empty_like(tensor, device=device)
-                    replaced[id(tensor)] = (torch.nn.Parameter(empty, tensor.requires_grad)
-                                            if isinstance(tensor, torch.nn.Parameter) else empty)
+                    replaced[id(tensor)] = same_kind(tensor, torch.empty_like(tensor, device=device))
                 store[name] = replaced[id(tensor)]
 
 

@@ -214,7 +214,7 @@ def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, o
         digests = {k: v for r in results for k, v in r["digests"].items()}
     if any(p.is_meta for p in model.parameters()):
         # The unsplit reference needs the whole model in memory: only when it is small.
-        size = sum({id(p): p.numel() for p in model.parameters()}.values())
+        size = sum(p.numel() for p in model.parameters())  # a tied tensor once
         s = model_settings(cfg)
         reference_model = (build.build_model(s["class_name"], s["config"], s["pretrained"], cfg.seed)
                            if size <= build.INIT_THRESHOLD_PARAMS else None)

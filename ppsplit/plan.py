@@ -4,9 +4,9 @@ The candidate cut points are the starts of the model's repeated blocks and, for 
 ``flops``, the first module after the last block (``trace_split.unit_starts``). The graph between
 two cut points is one *unit*; the first unit also carries what runs before the first block
 (embeddings, masks, rotary tables) and the last is the final norm, the head and the loss (or,
-for ``even`` and ``layers``, the last block with them). A strategy's stages are contiguous runs of units, and ``params``/``flops``
-pick the runs that minimise the largest stage's cost: an exact linear-partition dynamic
-programme, not a greedy fill.
+for ``even`` and ``layers``, the last block with them). A strategy's stages are contiguous
+runs of units, and ``params``/``flops`` pick the runs that minimise the largest stage's cost: an
+exact linear-partition dynamic programme, not a greedy fill.
 """
 
 from __future__ import annotations
@@ -61,38 +61,38 @@ def node_forward_flops(node: torch.fx.Node) -> int:
     return 0
 
 
-def unit_bounds(run_order: dict[str, int], blocks: Sequence[str], n_nodes: int) -> list[tuple[int, int]]:
-    """[start, end) node ranges of the units, one per cut point in ``blocks``."""
-    starts = [run_order[b] for b in blocks]
-    return [(0 if i == 0 else s, starts[i + 1] if i + 1 < len(starts) else n_nodes)
-            for i, s in enumerate(starts)]
+def _flops_from(program, starts: Sequence[int], microbatches: int) -> list[float]:
+    """Forward+backward FLOPs of the graph's ranges that begin at node indices ``starts``
+    (the first at 0), times ``microbatches``; the loss counts in the last range."""
+    flops = [0.0] * len(starts)
+    for i, node in enumerate(program.graph.nodes):
+        if node.op == "call_function":
+            flops[bisect.bisect_right(starts, i) - 1] += node_forward_flops(node) * (1 + BACKWARD_FACTOR)
+    flops[-1] += LOSS_FLOPS_PER_LOGIT * _logits_numel(program)
+    return [f * microbatches for f in flops]
 
 
 def unit_costs(model, program, blocks: Sequence[str], run_order: dict[str, int],
                microbatches: int = 1) -> dict[str, list[float]]:
-    """Per unit: ``params`` (distinct parameters its ops read; a tied tensor counts in every
-    unit that reads it) and ``flops`` (forward + backward at the traced microbatch, times
-    ``microbatches``; the loss counted in the last unit)."""
-    nodes = list(program.graph.nodes)
-    bounds = unit_bounds(run_order, blocks, len(nodes))
-    starts = [b[0] for b in bounds]
+    """Per unit (one per cut point in ``blocks``, the first also taking what runs before it):
+    ``params`` (distinct parameters its ops read; a tied tensor counts in every unit that reads
+    it) and ``flops`` (forward + backward at the traced microbatch, times ``microbatches``; the
+    loss counted in the last unit)."""
+    starts = [0] + [run_order[b] for b in blocks[1:]]
     named = dict(model.named_parameters(remove_duplicate=False))
     target = {s.arg.name: s.target for s in program.graph_signature.input_specs
               if s.kind == InputKind.PARAMETER}
-    params: list[dict[int, int]] = [dict() for _ in bounds]
-    flops = [0.0] * len(bounds)
-    for i, node in enumerate(nodes):
+    params: list[dict[int, int]] = [{} for _ in starts]
+    for i, node in enumerate(program.graph.nodes):
         if node.op != "call_function":
             continue
         unit = bisect.bisect_right(starts, i) - 1
-        flops[unit] += node_forward_flops(node) * (1 + BACKWARD_FACTOR)
         for arg in node.all_input_nodes:
             fqn = target.get(arg.name)
             if fqn is not None and fqn in named:
                 params[unit][id(named[fqn])] = named[fqn].numel()
-    flops[-1] += LOSS_FLOPS_PER_LOGIT * _logits_numel(program)
     return {"params": [float(sum(p.values())) for p in params],
-            "flops": [f * microbatches for f in flops]}
+            "flops": _flops_from(program, starts, microbatches)}
 
 
 def _logits_numel(program) -> int:
@@ -174,16 +174,8 @@ def layer_sizes(n_blocks: int, stages: int | None, layers: Sequence[int] | None,
 
 def stage_costs(split, microbatches: int = 1) -> dict[str, list[float]]:
     """Each stage's parameters (distinct tensors it holds) and forward+backward FLOPs."""
-    nodes = list(split.program.graph.nodes)
-    flops = [0.0] * len(split.stages)
-    for i, node in enumerate(nodes):
-        if node.op == "call_function":
-            flops[bisect.bisect_right(split.positions, i)] += node_forward_flops(node) * (1 + BACKWARD_FACTOR)
-    flops[-1] += LOSS_FLOPS_PER_LOGIT * _logits_numel(split.program)
-    params = []
-    for stage in split.stages:
-        params.append(float(sum({id(p): p.numel() for p in stage.parameters()}.values())))
-    return {"params": params, "flops": [f * microbatches for f in flops]}
+    return {"params": [float(sum(p.numel() for p in stage.parameters())) for stage in split.stages],
+            "flops": _flops_from(split.program, [0, *split.positions], microbatches)}
 
 
 def balance(costs: Sequence[float]) -> float:

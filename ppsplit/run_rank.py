@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ppsplit import build
-from ppsplit.stage_code import adopt_tensors, retarget_devices
+from ppsplit.stage_code import adopt_tensors, retarget_devices, same_kind
 from ppsplit.ties import TieSync
 from ppsplit.trace_split import split as split_model
 
@@ -222,9 +222,7 @@ def separate_local_copies(modules: dict[int, torch.nn.Module]) -> None:
         for fqn, tensor in named.items():
             if owner.get(id(tensor), i) != i:
                 if id(tensor) not in copies:
-                    data = tensor.detach().clone()
-                    copies[id(tensor)] = (torch.nn.Parameter(data, tensor.requires_grad)
-                                          if isinstance(tensor, torch.nn.Parameter) else data)
+                    copies[id(tensor)] = same_kind(tensor, tensor.detach().clone())
                 replace[fqn] = copies[id(tensor)]
         if replace:
             adopt_tensors(stage, replace, only_known=True)

@@ -63,9 +63,9 @@ def _run_state() -> tuple:
     return torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), autocast
 
 
-def _stamp(tensors) -> list[tuple]:
+def _stamp(tensors) -> list[tuple[int, int]]:
     # A write in place bumps _version; ``.data =`` and swap_tensors change the storage.
-    return [(t, t._version, t.data_ptr()) for t in tensors]
+    return [(t._version, t.data_ptr()) for t in tensors]
 
 
 class CachedConstants:
@@ -83,10 +83,7 @@ class CachedConstants:
 
     def __init__(self, graph: fx.Graph):
         self.region = fx.GraphModule(torch.nn.Module(), graph)
-        self._memo = None  # (stamped inputs, run state, outputs, stamped outputs)
-
-    def clear(self) -> None:
-        self._memo = None
+        self._memo = None  # (inputs, their stamps, run state, outputs, their stamps)
 
     def __call__(self, *inputs):
         if (fx._symbolic_trace.is_fx_symbolic_tracing()
@@ -98,16 +95,16 @@ class CachedConstants:
         state = _run_state()
         memo = self._memo
         if memo is not None:
-            held, held_state, outputs, stamped = memo
+            held, held_stamps, held_state, outputs, out_stamps = memo
             if (held_state == state and len(held) == len(inputs)
-                    and all(h[0] is t for h, t in zip(held, inputs))
-                    and _stamp(inputs) == held and _stamp(outputs) == stamped):
+                    and all(a is b for a, b in zip(held, inputs))
+                    and _stamp(inputs) == held_stamps and _stamp(outputs) == out_stamps):
                 return outputs
         # Normal tensors, made in grad mode (views made under no_grad refuse later in-place
         # writes under autograd); no input needs gradients, so nothing is recorded.
         with torch.inference_mode(False), torch.enable_grad():
             outputs = tuple(self.region(*inputs))
-        self._memo = (_stamp(inputs), state, outputs, _stamp(outputs))
+        self._memo = (inputs, _stamp(inputs), state, outputs, _stamp(outputs))
         return outputs
 
 
@@ -318,6 +315,12 @@ def retarget_devices(module: torch.nn.Module, device) -> torch.nn.Module:
         if isinstance(graph, fx.Graph) and retarget(graph) and hasattr(sub, "finalize"):
             sub.finalize()
     return module
+
+
+def same_kind(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as what ``tensor`` is: a Parameter (with its ``requires_grad``) or a plain
+    tensor (a buffer)."""
+    return torch.nn.Parameter(data, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else data
 
 
 def adopt_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], only_known: bool = False) -> list[str]:

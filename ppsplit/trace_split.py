@@ -36,7 +36,7 @@ from torch.export.graph_signature import (
 from torch.utils import _pytree as pytree
 
 from ppsplit.errors import PpsplitError, nearest
-from ppsplit.stage_code import adopt_tensors, use_generated_code
+from ppsplit.stage_code import adopt_tensors, same_kind, use_generated_code
 
 
 @dataclass
@@ -268,9 +268,10 @@ def split(
         raise PpsplitError("give either points= (module FQNs) or stages=/layers=, not both")
     if points is None and stages is None and not layers:
         raise PpsplitError("give stages= (with a strategy) or points= (module FQNs where stages begin)")
-    if points is None and strategy not in plan.STRATEGIES[2:] + ("even",):
+    allowed = [name for name in plan.STRATEGIES if name != "manual"]  # manual: give points=
+    if points is None and strategy not in allowed:
         raise PpsplitError(
-            f"split strategy {strategy!r} is not known; allowed: even, layers, params, flops "
+            f"split strategy {strategy!r} is not known; allowed: {', '.join(allowed)} "
             "(or points= for a manual split)"
         )
     program = program if program is not None else export(model, args, kwargs)
@@ -440,9 +441,7 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
 
     def meta_of(tensor):
         if id(tensor) not in stand_in:
-            empty = torch.empty_like(tensor, device="meta")
-            stand_in[id(tensor)] = (torch.nn.Parameter(empty, tensor.requires_grad)
-                                    if isinstance(tensor, torch.nn.Parameter) else empty)
+            stand_in[id(tensor)] = same_kind(tensor, torch.empty_like(tensor, device="meta"))
         return stand_in[id(tensor)]
 
     state_dict: dict[str, torch.Tensor] = {key: meta_of(named[key]) for key in keys}

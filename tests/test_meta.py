@@ -17,10 +17,10 @@ MODELS = ("gpt2", "llama", "bert", "t5")
 
 
 def meta_and_real_splits(model, stages=2, pretrained=None):
-    s = model_settings(compose_cfg(f"model={model}"))
+    cfg = compose_cfg(f"model={model}")
+    s = model_settings(cfg)
     real = (build.build_model(s["class_name"], pretrained=pretrained) if pretrained else
             build.build_model(s["class_name"], s["config"], seed=0))
-    cfg = compose_cfg(f"model={model}")
     batch = build.make_batch(s["inputs"], real.config, cfg.batch_size, cfg.seq_len, 0,
                              call_kwargs=s["call_kwargs"]).microbatches(cfg.microbatches)[0]
     real_split = ppsplit.split(real, batch.args, batch.kwargs, stages=stages)
