@@ -57,7 +57,7 @@ elif mode == "rank":
     from ppsplit.run_rank import materialize_stages
     split = ppsplit.split(model, (ids,), kwargs, points=points)
     before = rss()
-    stage = materialize_stages(model, split, [rank], {"seed": 0, "model": {}}, torch.device("cpu"))[rank]
+    stage = materialize_stages(model, split, [rank], 0, None, torch.device("cpu"))[rank]
     uniq = {id(t): t for t in stage.state_dict().values()}
     stage_bytes = sum(t.numel() * t.element_size() for t in uniq.values())
     print(json.dumps({"stage_bytes": stage_bytes, "rss_before": before, "peak_rss": rss()}))

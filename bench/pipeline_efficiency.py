@@ -16,11 +16,9 @@ driver competes with the ranks for part of the steps, and the figure is pessimis
 from __future__ import annotations
 
 import contextlib
-import glob
 import io
 import json
 import os
-import pickle
 import statistics
 import tempfile
 import time
@@ -68,14 +66,15 @@ def planned_points(cfg) -> list[str] | None:
     try:
         import ppsplit
         from ppsplit import build
-        from ppsplit.job import model_settings, split_args
+        from ppsplit.job_spec import from_config
 
-        s = model_settings(cfg)
-        model = build.build_model(s["class_name"], s["config"], s["pretrained"], cfg.seed)
-        batch = build.make_batch(s["inputs"], model, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                 call_kwargs=s["call_kwargs"])
+        spec = from_config(cfg)
+        s = spec.model
+        model = build.build_model(s.class_name, s.config, s.pretrained, cfg.seed)
+        batch = build.make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                 call_kwargs=s.call_kwargs)
         mb = batch.microbatches(cfg.microbatches)[0]
-        return list(ppsplit.split(model, mb.args, mb.kwargs, **split_args(cfg)).points)
+        return list(ppsplit.split(model, mb.args, mb.kwargs, **spec.split_kwargs()).points)
     except Exception:  # an evolving API must not stop the benchmark; every strategy then runs
         return None
 
@@ -85,13 +84,13 @@ class T1:
 
     def __init__(self, cfg):
         from ppsplit import build
-        from ppsplit.job import model_settings
+        from ppsplit.job_spec import from_config
 
-        s = model_settings(cfg)
-        self.model = build.build_model(s["class_name"], s["config"], s["pretrained"], cfg.seed)
-        self.batch = build.make_batch(s["inputs"], self.model, cfg.batch_size, cfg.seq_len,
-                                      cfg.seed, call_kwargs=s["call_kwargs"])
-        self.loss_fn = build.loss_fn(s["loss"])
+        s = from_config(cfg).model
+        self.model = build.build_model(s.class_name, s.config, s.pretrained, cfg.seed)
+        self.batch = build.make_batch(s.inputs, self.model, cfg.batch_size, cfg.seq_len,
+                                      cfg.seed, call_kwargs=s.call_kwargs)
+        self.loss_fn = build.loss_fn(s.loss)
         self.case = harness.Case(self._step, setup=self._zero)
 
     def _zero(self):
@@ -105,22 +104,10 @@ class T1:
         return harness.time_sample(self.case)
 
 
-def slowest_rank_steps(output_dir: str) -> list[float] | None:
-    """Per step after the first, the slowest rank's time, from submitit's result files (the
-    report keeps only the median). None if they cannot be read."""
-    per_rank = []
-    for path in glob.glob(os.path.join(output_dir, "submitit", "*_result.pkl")):
-        try:
-            with open(path, "rb") as f:
-                status, result = pickle.load(f)
-        except Exception:  # submitit's file format is its own; the median still stands
-            return None
-        if status != "success" or "step_times_s" not in result:
-            return None
-        per_rank.append(result["step_times_s"][1:])
-    if not per_rank or not all(per_rank):
-        return None
-    return [max(times) for times in zip(*per_rank)]
+def slowest_rank_steps(report: dict) -> list[float] | None:
+    """Per step after the first, the slowest rank's time (``run.step_times_s`` in the report)."""
+    steps = (report.get("run") or {}).get("step_times_s") or []
+    return steps[1:] or None
 
 
 def run_job(overrides: list[str]) -> dict:
@@ -139,7 +126,7 @@ def run_job(overrides: list[str]) -> dict:
         wall = time.perf_counter() - start
         with open(os.path.join(tmp, "report.json")) as f:
             report = json.load(f)
-        steps = slowest_rank_steps(tmp)
+        steps = slowest_rank_steps(report)
     run = report.get("run") or {}
     return {
         "ok": code == 0,

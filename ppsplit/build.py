@@ -46,9 +46,9 @@ def build_model(
     weights drawn deterministically from ``seed``. No model hub is ever contacted."""
     cls = model_class(class_name)
     if pretrained:
-        return load_pretrained(cls, pretrained)
+        return load_pretrained(cls, pretrained, config)
     torch.manual_seed(seed)
-    cfg = cls.config_class(**dict(config or {}))
+    cfg = load_config(cls, config)
     # Re-initialise deterministically per tensor, so a rank that builds only its stage from the
     # meta device (model.init=meta) gets exactly these values.
     return initialize(cls(cfg), seed)
@@ -68,10 +68,36 @@ def check_pretrained_folder(folder: str) -> str:
     return folder
 
 
-def load_pretrained(cls, folder: str) -> torch.nn.Module:
-    folder = check_pretrained_folder(folder)
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def load_config(cls, config: dict | None = None, pretrained: str | None = None):
+    """The model's transformers config: ``config`` as the fields of a new one or, with
+    ``pretrained``, applied on top of that folder's ``config.json``."""
+    if pretrained:
+        folder = check_pretrained_folder(pretrained)
+        try:
+            cfg = cls.config_class.from_pretrained(folder, local_files_only=True)
+        except Exception as err:  # a corrupt or foreign config.json
+            raise PpsplitError(f"model.pretrained={folder!r}: its config.json cannot be read as a "
+                               f"{cls.config_class.__name__}: {_first_line(err)}") from None
+        for key, value in (config or {}).items():
+            setattr(cfg, key, value)
+        return cfg
     try:
-        return cls.from_pretrained(folder, local_files_only=True)
+        return cls.config_class(**dict(config or {}))
+    except Exception as err:
+        raise PpsplitError(f"model.config: {cls.config_class.__name__} refuses it: {_first_line(err)}") from None
+
+
+def load_pretrained(cls, folder: str, config: dict | None = None) -> torch.nn.Module:
+    cfg = load_config(cls, config, folder)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per phase is ppsplit's; no bars from the loader
+    try:
+        return cls.from_pretrained(folder, config=cfg, local_files_only=True)
     except Exception as err:  # transformers raises many types; report one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PpsplitError(f"model.pretrained={folder!r} could not be loaded: {first}") from None
@@ -102,6 +128,10 @@ class Batch:
             Batch(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}, labels[i])
             for i in range(n)
         ]
+
+    def shard(self, index: int, count: int) -> "Batch":
+        """Data-parallel rank ``index`` of ``count``'s contiguous part of the batch."""
+        return self if count == 1 else self.microbatches(count)[index]
 
 
 def make_batch(
@@ -194,13 +224,14 @@ def build_on_meta(class_name: str, config: dict | None = None, pretrained: str |
     """The model's structure with every parameter and buffer on the meta device: no memory.
     With ``pretrained``, the structure comes from that folder's config.json."""
     cls = model_class(class_name)
-    if pretrained:
-        check_pretrained_folder(pretrained)
-        cfg = cls.config_class.from_pretrained(os.path.expanduser(str(pretrained)))
-    else:
-        cfg = cls.config_class(**dict(config or {}))
+    cfg = load_config(cls, config, pretrained)
     with torch.device("meta"):
         return cls(cfg)
+
+
+def count_tensor_params(model: torch.nn.Module) -> int:
+    """Parameters of ``model``, a tied tensor once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def count_params(class_name: str, config: dict | None = None, pretrained: str | None = None) -> int:

@@ -1,98 +1,230 @@
-"""The Hydra entry point: a thin layer that composes the config and calls :func:`run`."""
+"""The Hydra entry point: a thin layer that composes the config and calls :func:`run`.
+
+It owns what only the command line has: the run folder Hydra makes (checked and, after bad
+input, cleaned of this run's own files and nothing else), signals (SIGINT, SIGTERM and SIGHUP
+stop the ranks and exit 128+signal with one line), and exit statuses (0 passed, 1 a check or a
+rank failed, 2 bad input; a sweep with a failed point exits 1 after its summary).
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+import threading
 import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ppsplit.errors import CheckFailed, PpsplitError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+DEFAULT_RUN_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"  # as conf/config.yaml says
 
 
-def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PpsplitError(f"{key}={value!r}: must be an integer >= {minimum}")
-    return value
+def check_config(cfg: DictConfig, overrides=None):
+    """The composed config as a validated :class:`~ppsplit.job_spec.JobSpec` (no torch needed)."""
+    from ppsplit.job_spec import from_config
+
+    return from_config(cfg, overrides)
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Refuse bad top-level values before any work starts."""
-    for key in ("stages", "microbatches", "batch_size", "seq_len"):
-        _positive_int(cfg, key)
-    _positive_int(cfg, "steps", minimum=0)
-    if cfg.batch_size % cfg.microbatches:
-        raise PpsplitError(
-            f"batch_size={cfg.batch_size} is not divisible by microbatches={cfg.microbatches}; "
-            "allowed: a batch_size that is a multiple of microbatches"
-        )
-    if cfg.split.name == "manual":
-        if OmegaConf.is_missing(cfg.split, "points"):
-            raise PpsplitError("split=manual needs split.points, e.g. 'split.points=[transformer.h.2]'")
-        points = cfg.split.points
-        if not OmegaConf.is_list(points) or not all(isinstance(p, str) for p in points):
-            raise PpsplitError(
-                f"split.points={OmegaConf.to_container(points) if OmegaConf.is_config(points) else points!r}: "
-                "must be a list of module FQNs, e.g. [transformer.h.2]"
-            )
-
-
-def run(cfg: DictConfig, output_dir: str) -> int:
+def run(cfg: DictConfig, output_dir: str, overrides=None, progress=None) -> int:
     """Do the job ``cfg`` describes and write ``report.json`` in ``output_dir``.
 
     Returns the exit status: 0 when every check passes, 1 when one fails. Raises
-    :class:`PpsplitError` for bad input.
+    :class:`PpsplitError` for bad input, :class:`CheckFailed` when a rank fails, and
+    :class:`~ppsplit.dispatch.Interrupted` on SIGINT, SIGTERM or SIGHUP (the ranks are stopped).
     """
-    check_config(cfg)
-    from ppsplit import job  # torch and transformers load only once the config is sound
+    spec = check_config(cfg, overrides)
+    from ppsplit import dispatch, job  # torch and transformers load only once the config is sound
 
-    return job.run_job(cfg, output_dir)
+    handlers = None
+    if threading.current_thread() is threading.main_thread():
+        handlers = dispatch.install_signal_handlers()
+    try:
+        return job.run_job(spec, output_dir, progress)
+    finally:
+        if handlers is not None:
+            dispatch.restore_signal_handlers(handlers)
 
 
-def _clean_run_dir(output_dir: str) -> None:
-    """After bad input, leave no run folder behind: it holds only Hydra's own files."""
-    if os.path.isdir(output_dir) and not os.path.exists(os.path.join(output_dir, "report.json")):
-        shutil.rmtree(output_dir, ignore_errors=True)
+class RunFolder:
+    """What a run folder held before this run, so that bad input removes only this run's files:
+    never a folder that existed before, nor anything another run or the user put there."""
+
+    HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+    OWN = ("ranks", "submitit", "report.json", "error.json")
+
+    def __init__(self, path: str, job_name: str):
+        self.path = os.path.abspath(path)
+        self.log = f"{job_name}.log"
+        self.missing = []
+        p = self.path
+        while not os.path.exists(p):
+            self.missing.append(p)
+            p = os.path.dirname(p)
+        self.entries = set(os.listdir(self.path)) if os.path.isdir(self.path) else set()
+        hydra_dir = os.path.join(self.path, ".hydra")
+        self.hydra_entries = set(os.listdir(hydra_dir)) if os.path.isdir(hydra_dir) else set()
+
+    def claim_unique(self) -> str:
+        """Create the folder, or ``<folder>-N`` for the first N free, atomically: two runs started
+        in the same second get folders of their own."""
+        candidate, n = self.path, 0
+        os.makedirs(os.path.dirname(candidate), exist_ok=True)
+        while True:
+            try:
+                os.mkdir(candidate)
+                break
+            except FileExistsError:
+                n += 1
+                candidate = f"{self.path}-{n}"
+        if candidate != self.path:  # the default folder existed: this run made only its own
+            self.path, self.missing = candidate, [candidate]
+            self.entries, self.hydra_entries = set(), set()
+        return candidate
+
+    def clean(self) -> None:
+        if not os.path.isdir(self.path):
+            return
+        hydra_dir = os.path.join(self.path, ".hydra")
+        for name in self.HYDRA_FILES:
+            if name not in self.hydra_entries:
+                _remove(os.path.join(hydra_dir, name))
+        for name in (".hydra", self.log, *self.OWN):
+            if name not in self.entries:
+                path = os.path.join(self.path, name)
+                if name == ".hydra":
+                    _rmdir(path)
+                else:
+                    _remove(path)
+        for p in self.missing:  # deepest first; only while empty
+            if not _rmdir(p):
+                break
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _rmdir(path: str) -> bool:
+    try:
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+
+
+_RUN_FOLDER: RunFolder | None = None
+
+
+class RunGuard(Callback):
+    """Registered in conf/config.yaml. Before Hydra makes the run folder: refuse bad input at
+    once (no folder is made), give a default folder of its own to each run, and remember what a
+    given folder held."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        global _RUN_FOLDER
+        overrides = list(OmegaConf.select(config, "hydra.overrides.task") or [])
+        try:
+            spec = check_config(config, overrides)
+            from ppsplit.job_spec import validate
+
+            validate(spec)
+            if spec.launcher.name == "slurm" and spec.steps > 0:
+                from ppsplit.dispatch import check_slurm_controller
+
+                check_slurm_controller()
+        except PpsplitError as err:
+            print(f"ppsplit: error: {err}", file=sys.stderr)
+            sys.exit(2)
+        raw = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
+        folder = RunFolder(OmegaConf.select(config, "hydra.run.dir"), config.hydra.job.name)
+        if raw == DEFAULT_RUN_DIR:
+            claimed = folder.claim_unique()
+            with read_write(config.hydra.run), open_dict(config.hydra.run):
+                config.hydra.run.dir = claimed
+        _RUN_FOLDER = folder
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if OmegaConf.select(config, "launcher.name") == "slurm":
+            from ppsplit.dispatch import check_slurm_controller
+
+            try:
+                check_slurm_controller()
+            except PpsplitError as err:
+                print(f"ppsplit: error: {err}", file=sys.stderr)
+                sys.exit(2)
+
+
+def _message(err: BaseException) -> tuple[str, int]:
+    from ppsplit.dispatch import Interrupted
+
+    if isinstance(err, PpsplitError):
+        return f"ppsplit: error: {err}", 2
+    if isinstance(err, CheckFailed):
+        return f"ppsplit: check failed: {err}", 1
+    if isinstance(err, Interrupted):
+        return f"ppsplit: interrupted by {err.name}; no rank is left running", 128 + err.signum
+    if isinstance(err, KeyboardInterrupt):
+        return "ppsplit: interrupted by SIGINT; no rank is left running", 130
+    if os.environ.get("PPSPLIT_DEBUG"):
+        traceback.print_exception(err)
+    from ppsplit.control import one_line
+
+    return f"ppsplit: failed: {one_line(err)} (PPSPLIT_DEBUG=1 shows the traceback)", 1
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> int:
+def hydra_main(cfg: DictConfig) -> int:
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     single = hydra_cfg.mode == RunMode.RUN
+    overrides = list(hydra_cfg.overrides.task)
     message = None
     try:
-        code = run(cfg, output_dir)
-    except PpsplitError as err:
-        message, code = f"ppsplit: error: {err}", 2
-    except CheckFailed as err:
-        message, code = f"ppsplit: check failed: {err}", 1
-    except Exception as err:  # a failure inside torch or transformers: one line, not a traceback
-        if os.environ.get("PPSPLIT_DEBUG"):
-            traceback.print_exc()
-        first = (str(err).strip().splitlines() or [""])[0]
-        message = f"ppsplit: failed: {type(err).__name__}: {first} (PPSPLIT_DEBUG=1 shows the traceback)"
-        code = 1
+        from ppsplit.job import Progress
+
+        code = run(cfg, output_dir, overrides, Progress(enabled=True))
+    except BaseException as err:  # every failure ends in one line and an exit status
+        if isinstance(err, SystemExit):
+            raise
+        message, code = _message(err)
     if message:
-        print(message, file=sys.stderr)
+        print(message, file=sys.stderr, flush=True)
     if single:
-        if code == 2:
-            _clean_run_dir(output_dir)
+        if code == 2 and _RUN_FOLDER is not None:
+            _RUN_FOLDER.clean()
         if code:
             sys.exit(code)
     elif message:  # a sweep goes on; its summary says why this point failed
         from ppsplit.report import write_json
 
         write_json(os.path.join(output_dir, "error.json"), {"ok": False, "exit_status": code, "error": message})
+        if code > 128:  # a signal stops the whole sweep
+            sys.exit(code)
     return code
+
+
+def main() -> None:
+    """``ppsplit`` / ``python -m ppsplit``."""
+    try:
+        hydra_main()
+    except KeyboardInterrupt:
+        print("ppsplit: interrupted by SIGINT", file=sys.stderr)
+        sys.exit(130)
+    from ppsplit.sweep_summary import failed_points
+
+    if failed_points():
+        sys.exit(1)
 
 
 if __name__ == "__main__":

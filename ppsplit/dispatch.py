@@ -1,95 +1,171 @@
-"""Dispatch one process per rank, locally or to SLURM through submitit, and wait for them with a
-bound: a rank that raises, dies or hangs fails the whole run, naming the rank."""
+"""Dispatch one process per rank, locally or to SLURM through submitit, and watch them.
+
+The driver hosts the ranks' rendezvous and control channel (:mod:`ppsplit.control`). A monitor
+thread reads it four times a second and ends the run at the first failure, naming the rank
+that caused it:
+
+- a rank's own error, sent over the channel as it fails (a neighbour that only lost its peer
+  is not named when the rank that caused it is known);
+- a rank that died without a word: locally its exit status (killed by a signal, or exited),
+  on SLURM its heartbeat going silent for :data:`~ppsplit.control.RANK_LOST_S` seconds;
+- ranks that made no progress (no phase or step changed) for ``timeout_s``: the message names
+  the rank(s) not blocked on a peer, where they are and at which step.
+
+On a failure, an interrupt (Ctrl-C, SIGTERM, SIGHUP) or any error in the driver the ranks are
+stopped: locally each rank's process group gets SIGTERM and, two seconds later, SIGKILL; on
+SLURM the channel tells them to stop and the job is cancelled. A rank whose driver dies (even
+by SIGKILL) ends itself (see :mod:`ppsplit.control`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
 import time
-from dataclasses import dataclass
 
+from ppsplit.control import EXIT_ABORTED, EXIT_DRIVER_GONE, RANK_LOST_S, DriverChannel, new_token
 from ppsplit.errors import CheckFailed, PpsplitError
-from ppsplit.run_rank import SCHEDULES, rank_main
+from ppsplit.job_spec import SCHEDULES, JobSpec, RankPlan, plan_ranks  # noqa: F401 (re-exported)
+
+POLL_S = 0.25
+ROOT_CAUSE_GRACE_S = RANK_LOST_S + 1.0  # after a lost-peer error, wait this long for its cause
+SILENT_AFTER_LOSS_S = 1.5  # once a peer reported losing a rank, this much silence names it
+KILL_AFTER_S = 2.0  # local ranks: SIGKILL this long after SIGTERM
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
+             "Socket Timeout", "remote worker", "Connection refused", "ECONNRESET", "EPIPE",
+             "Timed out waiting")
 
 
-@dataclass
-class RankPlan:
-    ranks: int
-    stages_per_rank: int
-    placement: str  # "single", "loop" or "v"
+class RanksFailed(BaseException):
+    """Raised in the driver's main thread by the monitor when the ranks fail meanwhile."""
 
 
-def plan_ranks(schedule: str, stages: int, stages_per_rank: int | None, microbatches: int) -> RankPlan:
-    """Map stages to ranks for ``schedule``, refusing combinations the schedule cannot run."""
-    if schedule not in SCHEDULES:
-        raise PpsplitError(f"schedule {schedule!r} is not known; allowed: {', '.join(SCHEDULES)}")
-    placement = SCHEDULES[schedule][1]
-    if placement == "single":
-        if stages_per_rank not in (None, 1):
-            raise PpsplitError(
-                f"schedule={schedule} runs one stage per rank, not stages_per_rank={stages_per_rank}; "
-                "use interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev for more"
-            )
-        per_rank = 1
-    else:
-        per_rank = 2 if stages_per_rank is None else stages_per_rank
-        if placement == "v" and per_rank != 2:
-            raise PpsplitError(
-                f"schedule={schedule} needs exactly 2 stages per rank (V placement), "
-                f"not stages_per_rank={per_rank}"
-            )
-        if per_rank < 1:
-            raise PpsplitError(f"schedule.stages_per_rank={per_rank}: must be >= 1")
-        if stages % per_rank:
-            raise PpsplitError(
-                f"stages={stages} is not divisible by schedule.stages_per_rank={per_rank}; "
-                f"allowed: a multiple of {per_rank}"
-            )
-    ranks = stages // per_rank
-    if placement != "single" and microbatches < ranks:
-        raise PpsplitError(
-            f"microbatches={microbatches}: schedule={schedule} needs microbatches >= ranks ({ranks})"
-        )
-    return RankPlan(ranks, per_rank, placement)
+class Interrupted(BaseException):
+    """The driver got a signal asking it to stop (SIGINT, SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
-def make_executor(launcher: dict, folder: str, ranks: int, timeout_s: float):
-    import submitit
+# --- backends --------------------------------------------------------------------------------
 
-    name = launcher["name"]
-    cluster = {"local": "local", "slurm": "slurm"}[name]
-    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
-    params = {
-        "tasks_per_node": launcher.get("tasks_per_node") or ranks,
-        "nodes": launcher.get("nodes", 1),
-        "cpus_per_task": launcher.get("cpus_per_task", 1),
-        "timeout_min": max(1, int(launcher.get("time_min") or (timeout_s // 60 + 2))),
-        "name": "ppsplit",
-    }
-    if name == "slurm":
-        params["slurm_partition"] = launcher.get("partition")
-        if launcher.get("gpus_per_task"):
-            params["slurm_gpus_per_task"] = launcher["gpus_per_task"]
-        extra = dict(launcher.get("additional_parameters") or {})
-        if extra:
-            params["slurm_additional_parameters"] = extra
-        params = {k: v for k, v in params.items() if v is not None}
-    nodes, per_node = params["nodes"], params["tasks_per_node"]
-    if nodes * per_node != ranks:
-        raise PpsplitError(
-            f"launcher nodes={nodes} x tasks_per_node={per_node} gives {nodes * per_node} ranks; "
-            f"this pipeline needs {ranks}"
-        )
-    executor.update_parameters(**params)
-    return executor
+class LocalProcesses:
+    """One process per rank on this machine, each in its own session (a Ctrl-C in the terminal
+    reaches only the driver, which stops them) and killed by the kernel if the driver dies."""
+
+    def __init__(self, launch_file: str, world: int, folder: str, threads: int):
+        self.folder = folder
+        self.processes: list[subprocess.Popen] = []
+        env = dict(os.environ)
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(key, None)  # the ranks rendezvous on the driver's store, never on these
+        env.update(OMP_NUM_THREADS=str(threads), PPSPLIT_DRIVER_PID=str(os.getpid()))
+        try:
+            for rank in range(world):
+                with open(self.log(rank), "wb") as log:
+                    self.processes.append(subprocess.Popen(
+                        [sys.executable, "-u", "-m", "ppsplit.run_rank", launch_file, str(rank), str(world)],
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        env=env, start_new_session=True, close_fds=True,
+                    ))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def log(self, rank: int) -> str:
+        return os.path.join(self.folder, f"rank{rank}.log")
+
+    def exit_status(self, rank: int) -> int | None:
+        return self.processes[rank].poll()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def describe(self) -> str:
+        return f"local processes {', '.join(map(str, self.pids()))}; logs in {self.folder}"
+
+    def cancel(self) -> None:
+        """SIGTERM to every rank's process group, SIGKILL to what is left after KILL_AFTER_S."""
+        for sig, wait in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, 5.0)):
+            for p in self.processes:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, sig)
+            end = time.monotonic() + wait
+            while time.monotonic() < end and any(p.poll() is None for p in self.processes):
+                time.sleep(0.05)
+
+    def finished(self) -> None:
+        for p in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+        self.cancel()  # nothing is left, whatever a rank did
 
 
-def submit(task: dict, launcher: dict, folder: str, ranks: int):
-    """Start the ranks; returns the submitit job at once."""
-    os.makedirs(folder, exist_ok=True)
-    executor = make_executor(launcher, folder, ranks, task["timeout_s"])
-    with _outside_any_job():
-        return executor.submit(rank_main, task)
+class SlurmJob:
+    """One SLURM task per rank through submitit."""
+
+    STATE_EVERY_S = 5.0
+
+    def __init__(self, launch_file: str, spec: JobSpec, folder: str, world: int):
+        import submitit
+
+        from ppsplit.run_rank import rank_entry
+
+        launcher = spec.launcher
+        per_node = launcher.tasks_per_node or -(-world // launcher.nodes)
+        params = {
+            "tasks_per_node": per_node,
+            "nodes": launcher.nodes,
+            "cpus_per_task": launcher.cpus_per_task,
+            "timeout_min": launcher.time_min or max(1, int(spec.timeout_s // 60) + 2),
+            "name": "ppsplit",
+            "slurm_partition": launcher.partition,
+        }
+        if launcher.gpus_per_task:
+            params["slurm_gpus_per_task"] = launcher.gpus_per_task
+        if launcher.additional_parameters:
+            params["slurm_additional_parameters"] = dict(launcher.additional_parameters)
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+        self.folder = folder
+        with _outside_any_job():
+            self.job = executor.submit(rank_entry, launch_file)
+        self._state, self._state_at = "PENDING", 0.0
+        self._cancelled = False
+
+    def exit_status(self, rank: int) -> int | None:
+        return None  # SLURM does not tell a task's status while the job runs: heartbeats do
+
+    def state(self) -> str:
+        now = time.monotonic()
+        if now - self._state_at > self.STATE_EVERY_S:
+            self._state_at = now
+            with contextlib.suppress(Exception):  # the scheduler may not answer this time
+                self._state = str(self.job.state)
+        return self._state
+
+    def describe(self) -> str:
+        return f"SLURM job {self.job.job_id}; logs in {self.folder}"
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            with contextlib.suppress(Exception):
+                self.job.cancel(check=False)
+
+    def finished(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -107,83 +183,279 @@ def _outside_any_job():
         os.environ.update(saved)
 
 
-def cancel(job) -> None:
-    """Cancel ``job``, once. submitit's local controller takes a SIGINT as the order to stop its
-    tasks (SIGINT, then SIGKILL a second later); a second SIGINT arriving meanwhile interrupts
-    it before the SIGKILL and leaves a hung rank running."""
-    if getattr(job, "_ppsplit_cancelled", False):
-        return
-    job._ppsplit_cancelled = True
-    job.cancel(check=False)
-
-
-def wait(job, ranks: int, timeout_s: float, poll_s: float = 0.5) -> list[dict]:
-    """Every rank's result, or :class:`CheckFailed` naming the first rank that failed.
-
-    Bounded by ``timeout_s``: on a failure or the deadline the whole job is cancelled, so the
-    other ranks (blocked in a collective with the dead one) are not left behind.
-    """
-    deadline = time.monotonic() + timeout_s
-    tasks = [job.task(i) for i in range(ranks)]
-    while True:
-        failed = [i for i, task in enumerate(tasks) if task.done() and task.exception() is not None]
-        if failed:
-            raise CheckFailed(_root_cause(job, tasks, poll_s, min(30.0, max(3.0, deadline - time.monotonic()))))
-        if all(task.done() for task in tasks):
-            return [task.result() for task in tasks]
-        if time.monotonic() > deadline:
-            cancel(job)
-            raise CheckFailed(
-                f"ranks did not finish within timeout_s={timeout_s:g}; job {job.job_id} cancelled "
-                f"(state: {safe_state(job)})"
-            )
-        time.sleep(poll_s)
-
-
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
-             "Socket Timeout", "remote worker")
-
-
-def _cause_rank(message: str) -> int:
-    """0: the rank's own error; 1: it died without a word; 2: it only lost a peer."""
-    if any(s in message for s in LOST_PEER):
-        return 2
-    return 1 if "ended without a result" in message else 0
-
-
-def _root_cause(job, tasks, poll_s: float, grace_s: float) -> str:
-    """Name the rank that caused a failure, not a neighbour that merely lost it.
-
-    A neighbour's 'connection closed' usually arrives first, a dead rank's missing result last;
-    wait (bounded) for a rank with a cause of its own, then cancel the job."""
-    end = time.monotonic() + grace_s
-    while True:
-        errors = {i: describe(t.exception(), job) for i, t in enumerate(tasks)
-                  if t.done() and t.exception() is not None}
-        ranked = sorted(errors, key=lambda i: (_cause_rank(errors[i]), i))
-        best = ranked[0]
-        if _cause_rank(errors[best]) == 0 or time.monotonic() > end or all(t.done() for t in tasks):
-            cancel(job)
-            return f"rank {best} failed: {errors[best]}"
-        time.sleep(poll_s)
-
-
-def safe_state(job) -> str:
+def check_slurm_controller(timeout_s: float = 10.0) -> None:
+    """Refuse ``launcher=slurm`` at once when no SLURM controller answers."""
+    hint = "start one with launchers/slurm/up.sh, or use launcher=local"
     try:
-        return str(job.state)
-    except Exception:  # the scheduler may not answer; the timeout message still stands
-        return "unknown"
+        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise PpsplitError(f"launcher=slurm: SLURM's client commands are not installed; {hint}") from None
+    except subprocess.TimeoutExpired:
+        raise PpsplitError(f"launcher=slurm: no SLURM controller answered within {timeout_s:g} s; {hint}") from None
+    if proc.returncode != 0 or " is UP" not in proc.stdout:
+        said = (proc.stdout + proc.stderr).strip().splitlines()
+        raise PpsplitError(f"launcher=slurm: no SLURM controller answers (scontrol ping: "
+                           f"{said[-1] if said else 'no answer'}); {hint}")
 
 
-def describe(err: BaseException, job) -> str:
-    """One line: the rank's own error (its last traceback line), or the job's state."""
-    text = str(err).strip()
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    errors = [l for l in lines if (":" in l and l.split(":")[0].replace(".", "").isidentifier()
-                                   and (l.split(":")[0].endswith(("Error", "Exception", "Interrupt"))))]
-    if errors:
-        return errors[-1]
-    state = safe_state(job)
-    if "has not produced any output" in text:
-        return f"the process ended without a result (job state: {state})"
-    return lines[-1] if lines else f"{type(err).__name__} (job state: {state})"
+# --- the ranks of one run ------------------------------------------------------------------
+
+class Ranks:
+    """The ranks of one run: started by :meth:`start`, watched by a monitor thread, stopped on
+    leaving the ``with`` block unless they finished."""
+
+    def __init__(self, spec: JobSpec, run_dir: str, progress=None):
+        self.spec = spec
+        self.world = spec.world_size
+        self.folder = os.path.join(run_dir, "ranks")
+        self.progress = progress or (lambda line: None)
+        self.channel: DriverChannel | None = None
+        self.backend = None
+        self.failure: str | None = None
+        self.results: list[dict] | None = None
+        self._done = threading.Event()
+        self._waiting = False
+        self._main = threading.main_thread().ident
+        self._beats: dict[int, dict] = {}
+        self._reported_step = 0
+
+    # lifecycle
+    def start(self, payload: dict) -> "Ranks":
+        os.makedirs(self.folder, exist_ok=True)
+        launcher = self.spec.launcher
+        host = "127.0.0.1" if launcher.name == "local" else _driver_host()
+        token = new_token()
+        self.channel = DriverChannel(host, launcher.port, token, self.world)
+        launch_file = os.path.join(self.folder, "launch.pkl")
+        with open(launch_file, "wb") as f:
+            pickle.dump({**payload, "spec": self.spec, "host": host, "port": self.channel.port,
+                         "token": token, "folder": self.folder}, f)
+        if launcher.name == "local":
+            self.backend = LocalProcesses(launch_file, self.world, self.folder, launcher.cpus_per_task)
+        else:
+            self.backend = SlurmJob(launch_file, self.spec, os.path.join(os.path.dirname(self.folder), "submitit"),
+                                    self.world)
+        self.started_at = time.monotonic()
+        self.progress(f"ranks: {self.world} started ({self.backend.describe()})")
+        self._thread = threading.Thread(target=self._watch, name="ppsplit-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self.backend is not None and self.results is None:
+            self.cancel(f"the driver stopped ({exc_type.__name__ if exc_type else 'done'})")
+        if self.backend is not None:
+            self.backend.finished()
+        if self.channel is not None:
+            self.channel.close()
+        if exc_type is RanksFailed and self.failure:
+            raise CheckFailed(self.failure) from None
+        return False
+
+    def cancel(self, reason: str) -> None:
+        self._done.set()
+        if self.channel is not None:
+            self.channel.abort(reason)
+        if self.backend is not None:
+            self.backend.cancel()
+
+    def wait(self) -> list[dict]:
+        """Every rank's result, or :class:`CheckFailed` naming the rank that failed."""
+        self._waiting = True
+        try:
+            while not self._done.wait(0.5):
+                pass
+        except RanksFailed:
+            pass
+        if self.failure:
+            raise CheckFailed(self.failure)
+        return self.results
+
+    def pids(self) -> list[int | None]:
+        return [self._beats.get(r, {}).get("pid") for r in range(self.world)]
+
+    # the monitor
+    def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except Exception as err:  # never leave ranks running on a bug of the monitor
+            self._fail(f"the rank monitor failed: {type(err).__name__}: {err}")
+
+    def _watch_loop(self) -> None:
+        errors: dict[int, dict] = {}
+        first_error_at = None
+        last_progress, last_change = None, time.monotonic()
+        while not self._done.is_set():
+            now = time.monotonic()
+            for rank in range(self.world):
+                beat = self.channel.heartbeat(rank)
+                if beat is not None:
+                    old = self._beats.get(rank)
+                    if old is None or old["beat"] != beat["beat"]:
+                        beat["seen"] = now
+                    else:
+                        beat["seen"] = old["seen"]
+                    self._beats[rank] = beat
+                if rank not in errors:
+                    error = self.channel.error(rank)
+                    if error is not None:
+                        errors[rank] = error
+                        first_error_at = first_error_at or now
+            deaths = self._deaths(errors, now, SILENT_AFTER_LOSS_S if errors else RANK_LOST_S)
+            own = {r: e for r, e in errors.items() if not _lost_peer(e["line"])}
+            if own:
+                rank = min(own)
+                return self._fail(f"rank {rank} failed: {own[rank]['line']}", errors[rank])
+            if deaths:
+                rank = min(deaths)
+                return self._fail(f"rank {rank} {deaths[rank]}")
+            if errors and now - first_error_at > ROOT_CAUSE_GRACE_S:
+                rank = min(errors)
+                return self._fail(f"rank {rank} failed: {errors[rank]['line']}", errors[rank])
+            if all(self.channel.done(r) for r in range(self.world)):
+                self._report_steps()
+                self.results = self._load_results()
+                self._done.set()
+                return
+            self._report_steps()
+            state = self.backend.state() if isinstance(self.backend, SlurmJob) else "RUNNING"
+            progress = tuple(self._beats.get(r, {}).get("progress") for r in range(self.world))
+            if progress != last_progress or state == "PENDING":
+                last_progress, last_change = progress, now
+            elif now - last_change > self.spec.timeout_s:
+                return self._fail(self._stall_message())
+            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                         "BOOT_FAIL", "DEADLINE") or state.startswith("CANCELLED"):
+                return self._fail(f"the SLURM job ended ({state}) before every rank finished")
+            time.sleep(0.25)
+
+    def _deaths(self, errors, now, silent_s: float) -> dict[int, str]:
+        """Ranks that ended without reporting an error or a result; on SLURM, a rank silent for
+        ``silent_s`` counts as ended."""
+        dead = {}
+        for rank in range(self.world):
+            if rank in errors or self.channel.done(rank):
+                continue
+            status = self.backend.exit_status(rank)
+            if status is not None:
+                if self.channel.error(rank) is not None:
+                    continue  # its error arrived meanwhile; the next round names it
+                dead[rank] = _describe_exit(status)
+                continue
+            beat = self._beats.get(rank)
+            if beat is not None and now - beat["seen"] > silent_s and not isinstance(self.backend, LocalProcesses):
+                dead[rank] = (f"stopped answering: no heartbeat for {now - beat['seen']:.0f} s (the process "
+                              f"was killed, or its node {beat.get('host', '?')} went away)")
+        return dead
+
+    def _report_steps(self) -> None:
+        """A line each time every rank has finished one more step, with the last stage's loss."""
+        if len(self._beats) < self.world:
+            return
+        completed = min(b.get("completed") or 0 for b in self._beats.values())
+        if completed > self._reported_step:
+            self._reported_step = completed
+            losses = [b["loss"] for b in self._beats.values() if b.get("loss") is not None]
+            loss = f", loss {losses[0]:.6f}" if losses else ""
+            self.progress(f"ranks: step {completed}/{self.spec.steps} done{loss}")
+
+    def _stall_message(self) -> str:
+        t = self.spec.timeout_s
+        missing = [r for r in range(self.world) if r not in self._beats]
+        if missing:
+            return (f"ranks did not start within timeout_s={t:g}: rank(s) {', '.join(map(str, missing))} "
+                    f"never reported ({self.backend.describe()})")
+        stuck = [r for r in range(self.world) if not self._beats[r].get("waiting")]
+        waiting = [r for r in range(self.world) if r not in stuck]
+
+        def at(r):
+            b = self._beats[r]
+            doing = (f"in step {b['step'] + 1}/{self.spec.steps}" if b.get("step") is not None
+                     else f"while {b['phase']}")
+            return f"rank {r} {doing} at {b['where']}"
+
+        if stuck:
+            text = f"no progress for timeout_s={t:g}: " + "; ".join(at(r) for r in stuck) + " stopped"
+            if waiting:
+                text += f"; rank(s) {', '.join(map(str, waiting))} wait on it"
+        else:
+            text = (f"no progress for timeout_s={t:g}: every rank waits on a peer (a deadlock?): "
+                    + "; ".join(at(r) for r in waiting))
+        return text
+
+    def _fail(self, message: str, error: dict | None = None) -> None:
+        if error and error.get("traceback"):
+            with contextlib.suppress(OSError):
+                with open(os.path.join(self.folder, "error.txt"), "w") as f:
+                    f.write(error["traceback"])
+        self.failure = message
+        self.cancel(message)
+        if not self._waiting:
+            _interrupt_main()
+
+    def _load_results(self) -> list[dict]:
+        import torch
+
+        out = []
+        for rank in range(self.world):
+            path = os.path.join(self.folder, f"rank{rank}.result.pt")
+            out.append(torch.load(path, weights_only=False))
+            os.unlink(path)  # its figures go into the report; its gradients can be large
+        return out
+
+
+def _interrupt_main() -> None:
+    import _thread
+
+    with contextlib.suppress(Exception):
+        _thread.interrupt_main(signal.SIGUSR1)
+
+
+def _lost_peer(line: str) -> bool:
+    return any(s in line for s in LOST_PEER)
+
+
+def _describe_exit(status: int) -> str:
+    if status < 0:
+        name = signal.Signals(-status).name if -status in signal.Signals._value2member_map_ else str(-status)
+        hint = " (e.g. the OOM killer, or kill -9)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}"
+    if status == EXIT_DRIVER_GONE:
+        return "ended: it lost its driver"
+    if status == EXIT_ABORTED:
+        return "was stopped by the driver"
+    if status == 0:
+        return "ended without a result"
+    return f"exited with status {status} without reporting an error"
+
+
+def _driver_host() -> str:
+    """Where SLURM ranks reach the driver: its host name (it must resolve on every node)."""
+    import socket
+
+    return os.environ.get("PPSPLIT_DRIVER_HOST") or socket.gethostname()
+
+
+def install_signal_handlers() -> dict:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread, and SIGUSR1
+    (the monitor's) :class:`RanksFailed`; returns the previous handlers."""
+    def interrupted(signum, frame):
+        raise Interrupted(signum)
+
+    def failed(signum, frame):
+        raise RanksFailed()
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, interrupted)
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, failed)
+    return previous
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -2,241 +2,286 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import threading
 import time
 
 import torch
 
-from omegaconf import DictConfig, OmegaConf
-
 from ppsplit import build, report
-from ppsplit.errors import PpsplitError
+from ppsplit.errors import CheckFailed, PpsplitError
+from ppsplit.job_spec import JobSpec, validate
 from ppsplit.plan import balance, stage_costs
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
 
 
-def model_settings(cfg: DictConfig) -> dict:
-    """The plain-Python description of the model that every rank rebuilds from."""
-    m = cfg.model
-    return {
-        "class_name": m.model_class,
-        "config": OmegaConf.to_container(m.config, resolve=True) if m.get("config") else {},
-        "pretrained": m.get("pretrained"),
-        "inputs": m.inputs,
-        "loss": m.loss,
-        "call_kwargs": OmegaConf.to_container(m.call_kwargs, resolve=True) if m.get("call_kwargs") else {},
-        "init": m.get("init") or "auto",
-    }
+class Progress:
+    """One line per phase, with the seconds it took, flushed at once (a run shows it is alive)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.marks: dict[str, float] = {}
+        self._last = self.start
+
+    def __call__(self, line: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.start:6.1f}s] {line}", flush=True)
+
+    def phase(self, name: str, line: str) -> None:
+        now = time.perf_counter()
+        self.marks[name] = now - self._last
+        self._last = now
+        self(f"{line} ({self.marks[name]:.1f} s)")
 
 
-def split_args(cfg: DictConfig) -> dict:
-    """The keyword arguments of :func:`ppsplit.split` that ``cfg.split`` describes."""
-    sp = cfg.split
-    if sp.name == "manual":
-        return {"points": list(sp.points)}
-    if sp.name == "layers":
-        layers = list(sp.layers) if sp.get("layers") else None
-        return {"strategy": "layers", "layers": layers, "stages": None if layers else int(cfg.stages),
-                "first_stage_less": int(sp.get("first_stage_less") or 0),
-                "last_stage_less": int(sp.get("last_stage_less") or 0)}
-    return {"strategy": sp.name, "stages": int(cfg.stages), "microbatches": int(cfg.microbatches)}
+def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) -> int:
+    say = progress or Progress(enabled=False)
+    m = spec.model
+    validate(spec)
+    target = None
+    if spec.checkpoint.save:
+        from ppsplit.checkpoint import Target
 
+        target = Target(spec.checkpoint.dir or os.path.join(output_dir, "checkpoint"), spec.checkpoint.overwrite)
+    if spec.launcher.name == "slurm" and spec.steps > 0:
+        from ppsplit.dispatch import check_slurm_controller
 
-def stage_count(cfg: DictConfig) -> int:
-    sp = cfg.split
-    if sp.name == "manual":
-        return len(sp.points) + 1
-    if sp.name == "layers" and sp.get("layers"):
-        return len(sp.layers)
-    return int(cfg.stages)
-
-
-def task_for(cfg: DictConfig, settings: dict, plan, output_dir: str) -> dict:
-    """Everything a rank needs, as plain data (submitit pickles it)."""
-    debug = OmegaConf.to_container(cfg.debug, resolve=True) if cfg.get("debug") else {}
-    return {
-        "model": settings,
-        "init": settings["init"],
-        "split": split_args(cfg),
-        "seed": cfg.seed,
-        "batch_size": cfg.batch_size,
-        "seq_len": cfg.seq_len,
-        "microbatches": cfg.microbatches,
-        "steps": cfg.steps,
-        "schedule": cfg.schedule.name,
-        "stages_per_rank": plan.stages_per_rank,
-        "placement": plan.placement,
-        "optimizer": OmegaConf.to_container(cfg.optimizer, resolve=True),
-        "timeout_s": float(cfg.timeout_s),
-        "threads": int(cfg.launcher.get("cpus_per_task") or 1),
-        "debug": debug,
-        "checkpoint_dir": checkpoint_dir(cfg, output_dir),
-        "pid_dir": os.path.join(output_dir, "ranks"),
-    }
-
-
-def checkpoint_dir(cfg: DictConfig, output_dir: str) -> str | None:
-    ckpt = cfg.get("checkpoint") or {}
-    if not ckpt.get("save"):
-        return None
-    return os.path.abspath(ckpt.get("dir") or os.path.join(output_dir, "checkpoint"))
-
-
-def plan_for(cfg: DictConfig, stages: int):
-    from ppsplit.dispatch import plan_ranks
-
-    return plan_ranks(cfg.schedule.name, stages, cfg.schedule.get("stages_per_rank"), cfg.microbatches)
-
-
-def run_job(cfg: DictConfig, output_dir: str) -> int:
-    settings = model_settings(cfg)
-    build.loss_fn(settings["loss"])  # refuse an unknown loss before building anything
-    build.make_optimizer(OmegaConf.to_container(cfg.optimizer, resolve=True), [torch.zeros(1, requires_grad=True)])
-    distributed = cfg.launcher.name != "inline"
-    plan = plan_for(cfg, stage_count(cfg))  # impossible schedules are refused before any work
+        check_slurm_controller()
 
     started_at = time.time()
-    t0 = time.perf_counter()
-    init = build.resolve_init(settings["init"], settings["class_name"], settings["config"],
-                              settings["pretrained"])
-    settings["init"] = init
+    init = build.resolve_init(m.init, m.class_name, m.config, m.pretrained)
+    spec = spec.with_model(init=init)
     meta = init == "meta"
-    if meta and not distributed and cfg.steps > 0:
+    if meta and not spec.distributed and spec.steps > 0:
         raise PpsplitError("model.init=meta needs ranks to hold the weights; use launcher=local or "
                            "launcher=slurm, or steps=0 to only split and check")
     if meta:
-        model = build.build_on_meta(settings["class_name"], settings["config"], settings["pretrained"])
+        model = build.build_on_meta(m.class_name, m.config, m.pretrained)
     else:
-        model = build.build_model(settings["class_name"], settings["config"], settings["pretrained"], cfg.seed)
-    loss_fn = build.loss_fn(settings["loss"])
+        model = build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
+    say.phase("build", f"built {m.class_name} ({'meta device' if meta else 'real weights'}, "
+                       f"{build.count_tensor_params(model):,} parameters)")
+    loss_fn = build.loss_fn(m.loss)
     config = model.config
 
     def batch_for(step):
-        return build.make_batch(settings["inputs"], config, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                step=step, call_kwargs=settings["call_kwargs"])
+        return build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len, spec.seed,
+                                step=step, call_kwargs=m.call_kwargs)
 
-    microbatches = batch_for(0).microbatches(cfg.microbatches)
+    microbatches = batch_for(0).microbatches(spec.microbatches * spec.parallel.dp)
     example = microbatches[0].to("meta") if meta else microbatches[0]
-    t1 = time.perf_counter()
-    split = split_model(model, example.args, example.kwargs, **split_args(cfg))
-    t2 = time.perf_counter()
-    job_handle = None
-    if distributed and cfg.steps > 0:
-        # Start the ranks first: the driver checks the split while they build their stages.
-        from ppsplit import dispatch
+    split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
+    if spec.parallel.tp > 1 and spec.steps > 0 and spec.distributed:
+        from ppsplit.layout import check_tensor_parallel
 
-        task = task_for(cfg, settings, plan, output_dir)
-        launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-        job_handle = dispatch.submit(task, launcher, os.path.join(output_dir, "submitit"), plan.ranks)
+        check_tensor_parallel(split, model, m.tp_plan, spec.parallel.tp)  # refused before any rank starts
+    resume = None
+    if spec.checkpoint.load:
+        from ppsplit.checkpoint import check_resumable
+
+        resume = check_resumable(spec.checkpoint.load, model)
+    say.phase("split", f"traced and split into {len(split)} stages at {', '.join(split.points) or '(none)'}")
+
+    handlers = None
+    if threading.current_thread() is threading.main_thread():
+        from ppsplit.dispatch import install_signal_handlers
+
+        handlers = install_signal_handlers()
     try:
-        fqn = verify_fqns(model, split)
-        numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
-        t3 = time.perf_counter()
-        costs = stage_costs(split, cfg.microbatches)
-        rows = report.stage_rows(split, costs)
-        balance_of = {kind: balance(values) for kind, values in costs.items()}
-        numerics_ok = numerics is None or numerics.ok(cfg.tolerance)
-        print(report.format_checks(cfg.model.name, settings["class_name"], split, rows, balance_of,
-                                   fqn, numerics, cfg.tolerance))
-        run = None
-        if cfg.steps > 0:
-            run = train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir)
-            print(report.format_run(run))
-    except BaseException:
-        if job_handle is not None:  # never leave ranks running behind a failed driver
-            dispatch.cancel(job_handle)
-        raise
+        with contextlib.ExitStack() as stack:
+            ranks = None
+            if spec.distributed and spec.steps > 0:
+                # Start the ranks first: the driver checks the split while they build their stages.
+                from ppsplit import dispatch
 
-    ok = fqn.ok and numerics_ok and (run is None or run["ok"])
+                ranks = stack.enter_context(dispatch.Ranks(spec, output_dir, say))
+                staging = target.stage(os.urandom(4).hex()) if target else None
+                ranks.start({"checkpoint_dir": staging, "load_dir": spec.checkpoint.load,
+                             "hf_dir": os.path.join(staging, "hf") if staging and spec.checkpoint.hf else None})
+            fqn = verify_fqns(model, split)
+            numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
+            say.phase("verify", "checked the FQNs" + ("" if meta else " and the numerics"))
+            costs = stage_costs(split, spec.microbatches)
+            rows = report.stage_rows(split, costs)
+            balance_of = {kind: balance(values) for kind, values in costs.items()}
+            numerics_ok = numerics is None or numerics.ok(spec.tolerance)
+            print(report.format_checks(m.name, m.class_name, split, rows, balance_of,
+                                       fqn, numerics, spec.tolerance), flush=True)
+            run = None
+            if spec.steps > 0:
+                if ranks is None and target:
+                    target.stage(os.urandom(4).hex())
+                run = train_and_compare(spec, model, split, batch_for, loss_fn, ranks, target, say, resume)
+                print(report.format_run(run), flush=True)
+        ok = fqn.ok and numerics_ok and (run is None or run["ok"])
+        if target:
+            if ok:
+                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume), config)
+                say(f"checkpoint: {run['checkpoint']}")
+            else:
+                target.discard()
+    except BaseException:
+        if target:
+            target.discard()
+        raise
+    finally:
+        if handlers is not None:
+            from ppsplit.dispatch import restore_signal_handlers
+
+            restore_signal_handlers(handlers)
+
     data = {
-        "model": cfg.model.name,
-        "model_class": settings["class_name"],
+        "model": m.name,
+        "model_class": m.class_name,
         "stages": len(split),
-        "split_strategy": cfg.split.name,
+        "layout": {"pp": spec.plan.ranks if spec.distributed else 1, "dp": spec.parallel.dp,
+                   "tp": spec.parallel.tp, "fsdp": spec.parallel.fsdp and spec.parallel.dp > 1},
+        "split_strategy": spec.split.strategy,
         "split_points": split.points,
         "balance": balance_of,
         "fqn_check": fqn.as_dict(),
         "stage_info": rows,
         "init": init,
         "numerics": ({"skipped": "model.init=meta"} if numerics is None else
-                     {**numerics.as_dict(), "ok": numerics_ok, "tolerance": cfg.tolerance}),
+                     {**numerics.as_dict(), "ok": numerics_ok, "tolerance": spec.tolerance}),
         "run": run,
-        "timings_s": {"build": t1 - t0, "split": t2 - t1, "verify": t3 - t2},
+        "timings_s": dict(say.marks),
         "started_at": started_at,
         "finished_at": time.time(),
         "ok": ok,
     }
     path = os.path.join(output_dir, "report.json")
     report.write_json(path, data)
-    print(f"{'PASSED' if ok else 'FAILED'}; report: {path}")
+    print(f"{'PASSED' if ok else 'FAILED'}; report: {path}", flush=True)
     return 0 if ok else 1
 
 
-def train_and_compare(cfg, model, split, batch_for, loss_fn, plan, job_handle, output_dir) -> dict:
+def checkpoint_meta(spec: JobSpec, split, resume: dict | None = None) -> dict:
+    """What ``ppsplit.json`` records beside a checkpoint: where training stands and how it was laid out."""
+    step = (resume["step"] if resume else 0) + spec.steps
+    return {
+        "model": spec.model.name,
+        "model_class": spec.model.class_name,
+        "step": step,
+        "resumed_from": resume,
+        "data": {"seed": spec.seed, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+                 "microbatches": spec.microbatches, "next_step": step},
+        "optimizer": spec.optimizer,
+        "layout": {"stages": len(split), "split_points": split.points, "schedule": spec.schedule,
+                   "dp": spec.parallel.dp, "tp": spec.parallel.tp},
+    }
+
+
+def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, target, say, resume=None) -> dict:
     """Train the stages (in this process, or on the ranks) and the unsplit model on the same data
     and steps, and compare them."""
     from ppsplit.run_rank import tensor_digest, train_in_process
     from ppsplit.ties import TieSync
     from ppsplit.verify import compare_training
 
-    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     results = None
     reference_model = model
-    if job_handle is None:  # inline: the chained stages in this process, ties summed locally
+    global_mbs = spec.microbatches * spec.parallel.dp  # the unsplit model sees every rank's microbatches
+    load = spec.checkpoint.load
+    if ranks is None:  # inline: the chained stages in this process, ties summed locally
         # The stages share the model's tensors; train the unsplit reference on a copy.
         reference_model = copy.deepcopy(model)
         modules = dict(enumerate(split.stages))
         ties = TieSync(split.tie_groups, split.stage_keys, modules, {i: 0 for i in modules}, 0)
-        pipelined = train_in_process(split, split.stages, batch_for, cfg.steps, cfg.microbatches,
-                                     loss_fn, optimizer, after_backward=ties.sum_grads)
+        say(f"training {spec.steps} step(s) inline")
+        pipelined = train_in_process(split, split.stages, batch_for, spec.steps, spec.microbatches,
+                                     loss_fn, spec.optimizer, after_backward=ties.sum_grads,
+                                     load=(load, model, split.tie_groups) if load else None)
         losses, first_grads, states = pipelined["losses"], pipelined["first_grads"], pipelined["state"]
+        diverged = pipelined["diverged"]
         step_time = pipelined["step_time_s"]
-        digests = {k: tensor_digest(v) for m in split.stages for k, v in m.state_dict().items()}
-        ckpt = checkpoint_dir(cfg, output_dir)
-        if ckpt:
-            from ppsplit.run_rank import save_checkpoint
+        step_times = pipelined["step_times_s"]
+        digests = {k: tensor_digest(v) for st in split.stages for k, v in st.state_dict().items()}
+        if target and diverged is None:
+            from ppsplit import checkpoint
 
-            save_checkpoint(ckpt, modules)
+            # The stages share the model's tensors, and the optimizer holds them once.
+            checkpoint.save(target.staging, {0: model}, {0: pipelined["optimizer"]},
+                            hf=os.path.join(target.staging, "hf") if spec.checkpoint.hf else None,
+                            tie_groups=split.tie_groups)
+        rank_report, fqn_problems = [], []
     else:
-        from ppsplit import dispatch
-
         # Wait first: a reference trained meanwhile would take the ranks' CPUs and distort their
         # step times.
-        results = dispatch.wait(job_handle, plan.ranks, float(cfg.timeout_s))
-        results.sort(key=lambda r: r["rank"])
+        results = sorted(ranks.wait(), key=lambda r: r["rank"])
+        keepers = [r for r in results if r["keeper"]]
         last = len(split.stages) - 1
-        losses = next(r["losses"] for r in results if last in r["stages"])
-        first_grads = [r["first_grads"] for r in results]
-        states = [st for r in results for st in r["state"].values()]
-        step_time = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
-        digests = {k: v for r in results for k, v in r["digests"].items()}
-    if any(p.is_meta for p in model.parameters()):
-        # The unsplit reference needs the whole model in memory: only when it is small.
-        size = sum(p.numel() for p in model.parameters())  # a tied tensor once
-        s = model_settings(cfg)
-        reference_model = (build.build_model(s["class_name"], s["config"], s["pretrained"], cfg.seed)
-                           if size <= build.INIT_THRESHOLD_PARAMS else None)
-    reference = (None if reference_model is None else
-                 train_in_process(reference_model, [reference_model], batch_for, cfg.steps,
-                                  cfg.microbatches, loss_fn, optimizer))
-    cmp = compare_training(reference, losses, first_grads, states, split.tie_groups,
-                           loss_rtol=1e-5, grad_atol=cfg.tolerance, tie_atol=cfg.tie_tolerance)
-    if results:
-        cmp["rank_memory"] = [{"rank": r["rank"], "stage_bytes": r["stage_bytes"],
-                               "rss_growth_bytes": r["rss_growth_bytes"]} for r in results]
+        per_dp = [r["losses"] for r in results if last in r["stages"] and r["coords"]["tp"] == 0]
+        losses = [sum(xs) / len(xs) for xs in zip(*per_dp)]  # each data-parallel rank's mean, averaged
+        first_grads = [r["first_grads"] for r in keepers]
+        states = [st for r in keepers for st in r["state"].values()]
+        times = [r["step_time_s"] for r in results if r["step_time_s"] is not None]
+        step_time = max(times) if times else None
+        step_times = [max(ts) for ts in zip(*[r["step_times_s"] for r in results])]  # the slowest rank's
+        digests = {k: v for r in keepers for k, v in r["digests"].items()}
+        diverged = _merge_diverged([r["diverged"] for r in results if r["diverged"]])
+        fqn_problems = [f"rank {r['rank']}: {p}" for r in results for p in r["fqn_problems"]]
+        rank_report = [{"rank": r["rank"], **r["coords"], "stages": r["stages"], "host": r["host"],
+                        "pid": r["pid"], "stage_bytes": r["stage_bytes"], "param_bytes": r["param_bytes"],
+                        "optimizer_bytes": r["optimizer_bytes"], "rss_growth_bytes": r["rss_growth_bytes"]}
+                       for r in results]
+    say.phase("train", f"ranks finished {spec.steps} step(s)" if ranks else f"trained {spec.steps} step(s)")
+    if diverged is not None:
+        cmp = {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
+               "grad_max_abs_diff": None, "worst_grad": "", "ties": [], "ok": False}
+    else:
+        if any(p.is_meta for p in model.parameters()):
+            # The unsplit reference needs the whole model in memory: only when it is small.
+            m = spec.model
+            size = sum(p.numel() for p in model.parameters())  # a tied tensor once
+            reference_model = (build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
+                               if size <= build.INIT_THRESHOLD_PARAMS else None)
+        reference = (None if reference_model is None else
+                     train_in_process(reference_model, [reference_model], batch_for, spec.steps,
+                                      global_mbs, loss_fn, spec.optimizer,
+                                      load=(load, reference_model, split.tie_groups) if load else None))
+        if reference is not None:
+            say.phase("reference", "trained the unsplit reference")
+        cmp = compare_training(reference, losses, first_grads, states, split.tie_groups,
+                               loss_rtol=1e-5, grad_atol=spec.tolerance, tie_atol=spec.tie_tolerance)
+        if fqn_problems:
+            cmp["ok"] = False
     return {
-        "launcher": cfg.launcher.name,
-        "schedule": cfg.schedule.name,
-        "ranks": plan.ranks if job_handle is not None else 1,
-        "stages_per_rank": plan.stages_per_rank if job_handle is not None else len(split.stages),
-        "steps": cfg.steps,
-        "optimizer": optimizer,
+        "launcher": spec.launcher.name,
+        "schedule": spec.schedule,
+        "mesh": {"pp": spec.plan.ranks if ranks is not None else 1, "dp": spec.parallel.dp,
+                 "tp": spec.parallel.tp, "fsdp": spec.parallel.fsdp and spec.parallel.dp > 1},
+        "ranks": spec.world_size if ranks is not None else 1,
+        "stages_per_rank": spec.plan.stages_per_rank if ranks is not None else len(split.stages),
+        "steps": spec.steps,
+        "resumed_from": resume,
+        "optimizer": spec.optimizer,
         **cmp,
+        "diverged": diverged,
+        "rank_fqn_problems": fqn_problems,
         "step_time_s": step_time,
-        "checkpoint": checkpoint_dir(cfg, output_dir),
+        "step_times_s": step_times,
+        "checkpoint": None,
         "final_state_digests": digests,
         "tie_comm_groups": results[0]["tie_comm_groups"] if results else [],
+        "rank_layout": rank_report,
         "rank_pids": [r["pid"] for r in results] if results else [],
     }
+
+
+def _merge_diverged(seen: list[dict]) -> dict | None:
+    """The ranks' views of one diverged step, as one: the loss from the last stage, the first
+    parameter with a non-finite gradient."""
+    if not seen:
+        return None
+    out = {"step": seen[0]["step"], "loss": None, "non_finite_loss": False, "non_finite_grad": None}
+    for d in seen:
+        if d["loss"] is not None:
+            out["loss"] = d["loss"]
+        out["non_finite_loss"] |= d["non_finite_loss"]
+        out["non_finite_grad"] = out["non_finite_grad"] or d["non_finite_grad"]
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 
@@ -57,15 +58,28 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
+def strict(value):
+    """``value`` with every NaN or infinity written as null, so the JSON is strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
 def write_json(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically, so a crash leaves no half-written report."""
+    """Write ``data`` to ``path`` atomically (a crash leaves no half-written report) as strict
+    JSON (a non-finite number is null), readable by all (0644)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
+            json.dump(strict(data), f, indent=2, sort_keys=False, allow_nan=False)
             f.write("\n")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -75,6 +89,9 @@ def write_json(path: str, data: dict) -> None:
 def format_run(run: dict) -> str:
     """The training comparison in a few lines."""
     where = f"{run['launcher']}, {run['ranks']} rank(s) x {run['stages_per_rank']} stage(s), {run['schedule']}"
+    if run.get("diverged"):
+        return f"run ({where}): FAILED: {diverged_message(run['diverged'], run['steps'])}\n  losses:    " + \
+            ", ".join(f"{x:.6g}" for x in run["losses"])
     if run["reference_losses"] is None:
         against = "no unsplit reference (the model is too large for the driver)"
     else:
@@ -96,3 +113,13 @@ def format_run(run: dict) -> str:
     if run.get("step_time_s") is not None:
         lines.append(f"  step time (median after the first): {run['step_time_s'] * 1e3:.1f} ms")
     return "\n".join(lines)
+
+
+def diverged_message(d: dict, steps: int | None = None) -> str:
+    what = []
+    if d.get("non_finite_loss") or (d.get("loss") is not None and not math.isfinite(d["loss"])):
+        what.append(f"the loss is {d['loss']}")
+    if d.get("non_finite_grad"):
+        what.append(f"the gradient of {d['non_finite_grad']} is not finite")
+    of = f"/{steps}" if steps else ""
+    return f"training diverged in step {d['step'] + 1}{of}: {' and '.join(what) or 'a value is not finite'}"

@@ -1,37 +1,37 @@
 """Run one rank: rebuild the split, keep this rank's stages, and train them under a pipeline
 schedule from ``torch.distributed.pipelining``.
 
-The same function runs under submitit's local executor and on SLURM: submitit's
-``TorchDistributedEnvironment`` gives the rank environment in both.
+Locally each rank is ``python -m ppsplit.run_rank LAUNCH RANK WORLD`` (started by
+:mod:`ppsplit.dispatch`); on SLURM submitit runs :func:`rank_entry` in every task. Both rendezvous
+on the driver's store and report over it (:mod:`ppsplit.control`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import pickle
 import statistics
+import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ppsplit import build
+from ppsplit.control import RankChannel, die_with_parent
+from ppsplit.job_spec import SCHEDULES, JobSpec
 from ppsplit.stage_code import adopt_tensors, retarget_devices, same_kind
 from ppsplit.ties import TieSync
 from ppsplit.trace_split import split as split_model
 
-# Each schedule: its torch.distributed.pipelining class, and how stages map to ranks
-# ("single": one stage per rank; "loop": rank r runs r, r+R, ...; "v": rank r runs r and 2R-1-r).
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "single"),
-    "1f1b": ("Schedule1F1B", "single"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
-    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
-}
+
+class InjectedBaseException(BaseException):
+    """``debug.crash_mode=base``: an error that is not an ``Exception`` (as torch's
+    ``CheckpointException`` is not)."""
 
 
 def median_after_first(times: list[float]) -> float | None:
@@ -40,8 +40,8 @@ def median_after_first(times: list[float]) -> float | None:
 
 
 def stages_of_rank(rank: int, ranks: int, per_rank: int, placement: str) -> list[int]:
-    """The stage indices rank ``rank`` runs: loop placement gives rank r stages r, r+R, ...;
-    V placement gives it stages r and 2R-1-r, so the first and last stage share rank 0."""
+    """The stage indices pipeline rank ``rank`` runs: loop placement gives rank r stages r, r+R,
+    ...; V placement gives it stages r and 2R-1-r, so the first and last stage share rank 0."""
     if placement == "v":
         return [rank, 2 * ranks - 1 - rank]
     return [rank + k * ranks for k in range(per_rank)]
@@ -63,65 +63,113 @@ def _contiguous_outputs(module, args, output):
     return output.contiguous() if isinstance(output, torch.Tensor) else output
 
 
-def rank_main(task: dict) -> dict:
-    """The entry point of every rank process; returns what the driver compares."""
-    import submitit
+# --- the process ------------------------------------------------------------------------------
 
-    env = submitit.helpers.TorchDistributedEnvironment().export(
-        set_cuda_visible_devices=False, overwrite=True
-    )
-    if task.get("pid_dir"):
-        os.makedirs(task["pid_dir"], exist_ok=True)
-        with open(os.path.join(task["pid_dir"], f"rank{env.rank}.pid"), "w") as f:
-            f.write(str(os.getpid()))
-    torch.set_num_threads(int(task.get("threads", 1)))
+def rank_entry(launch_file: str, rank: int | None = None, world: int | None = None) -> None:
+    """Every rank process runs this: rendezvous, train, write the result, say done. Any error,
+    an ``Exception`` or not, is sent to the driver before the process ends."""
+    with open(launch_file, "rb") as f:
+        launch = pickle.load(f)
+    local_rank = rank
+    if rank is None:  # a SLURM task, started by submitit
+        import submitit
+
+        env = submitit.JobEnvironment()
+        rank, world, local_rank = env.global_rank, env.num_tasks, env.local_rank
+    spec: JobSpec = launch["spec"]
+    driver_pid = int(os.environ["PPSPLIT_DRIVER_PID"]) if "PPSPLIT_DRIVER_PID" in os.environ else None
+    channel = RankChannel(launch["host"], launch["port"], launch["token"], rank, spec.timeout_s, driver_pid)
+    try:
+        with open(os.path.join(launch["folder"], f"rank{rank}.pid"), "w") as f:
+            f.write(f"{os.getpid()} {os.uname().nodename}\n")
+    except OSError:  # a full disk: the channel still carries everything that matters
+        pass
+    try:
+        result = run(spec, launch, rank, world, local_rank, channel)
+        path = os.path.join(launch["folder"], f"rank{rank}.result.pt")
+        torch.save(result, path + ".partial")
+        os.replace(path + ".partial", path)
+        channel.report("done")
+        channel.finish()
+    except BaseException as err:
+        channel.fail(err)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    finally:
+        channel.stop()
+
+
+def run(spec: JobSpec, launch: dict, rank: int, world: int, local_rank: int, channel) -> dict:
+    torch.set_num_threads(spec.launcher.cpus_per_task)
     cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{env.local_rank}") if cuda else torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", timeout=timedelta(seconds=float(task["timeout_s"]))
-    )
+    channel.report("rendezvous")
+    # The driver names a stalled rank after timeout_s; the collectives' own timeout is only the
+    # backstop, so it is longer.
+    dist.init_process_group("nccl" if cuda else "gloo", store=channel.process_group_store(), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=2 * spec.timeout_s + 30))
     try:
-        return train_rank(task, env.rank, env.world_size, device)
+        return train_rank(spec, launch, rank, world, device, channel)
     finally:
         dist.destroy_process_group()
 
 
-def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
+def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch.device, channel) -> dict:
     from torch.distributed import pipelining
 
-    s = task["model"]
-    m = task["microbatches"]
-    meta = task.get("init") == "meta"
-    if meta:
-        model = build.build_on_meta(s["class_name"], s["config"])
-    else:
-        model = build.build_model(s["class_name"], s["config"], s["pretrained"], task["seed"])
-    loss_fn = build.loss_fn(s["loss"])
+    from ppsplit import checkpoint as ckpt
+    from ppsplit import layout as lay
+
+    m = spec.model
+    plan = spec.plan
+    layout = lay.Layout(plan.ranks, spec.parallel.dp, spec.parallel.tp, spec.parallel.fsdp)
+    pp_rank, dp_rank, tp_rank = layout.coords(rank)
+    mesh = lay.device_mesh(layout, device.type) if layout.world > plan.ranks else None
+    pp_group = mesh["pp"].get_group() if mesh is not None else None
+    meta = m.init == "meta"
+    channel.report("building the model")
+    model = build.build_on_meta(m.class_name, m.config, m.pretrained) if meta else \
+        build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
+    loss_fn = build.loss_fn(m.loss)
     config = model.config
 
     def batch_for(step):
-        return build.make_batch(s["inputs"], config, task["batch_size"], task["seq_len"],
-                                task["seed"], step=step, call_kwargs=s["call_kwargs"])
+        """This data-parallel rank's part of step ``step``'s batch."""
+        batch = build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len, spec.seed,
+                                 step=step, call_kwargs=m.call_kwargs)
+        return batch.shard(dp_rank, layout.dp)
 
-    example = batch_for(0).microbatches(m)[0]
+    channel.report("tracing and splitting")
+    example = batch_for(0).microbatches(spec.microbatches)[0]
     if meta:
         example = example.to("meta")
-    split = split_model(model, example.args, example.kwargs, **task["split"])
+    split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
     n_stages = len(split.stages)
-    mine = stages_of_rank(rank, ranks, task["stages_per_rank"], task["placement"])
+    mine = stages_of_rank(pp_rank, plan.ranks, plan.stages_per_rank, plan.placement)
     rss_before = peak_rss_bytes()
+    channel.report("building this rank's stages")
+    flows = None
+    if layout.tp > 1:
+        flows = lay.check_tensor_parallel(split, model, m.tp_plan, layout.tp)
     if meta:
-        modules = materialize_stages(model, split, mine, task, device)
+        modules = materialize_stages(model, split, mine, spec.seed, m.pretrained, device)
     else:
         modules = {i: split.stages[i].to(device) for i in mine}
-    del model
     separate_local_copies(modules)
     split.stages = [modules.get(i) for i in range(n_stages)]  # drop the other ranks' stages
+    if mesh is not None:
+        channel.report("laying out the stages")
+        for i in mine:
+            lay.parallelize(split, i, model, mesh, m.tp_plan, layout.fsdp, flows)
+    del model
+    fqn_problems = [f"stage {i}: {sorted(set(modules[i].state_dict()) ^ set(split.stage_keys[i]))[:4]}"
+                    for i in mine if set(modules[i].state_dict()) != set(split.stage_keys[i])]
     rss_growth = peak_rss_bytes() - rss_before
-    rank_of_stage = {i: r for r in range(ranks)
-                     for i in stages_of_rank(r, ranks, task["stages_per_rank"], task["placement"])}
+    rank_of_stage = {i: r for r in range(plan.ranks)
+                     for i in stages_of_rank(r, plan.ranks, plan.stages_per_rank, plan.placement)}
 
     for module in modules.values():
         # Stage outputs go over the wire, and gloo sends only contiguous tensors (T5's and
@@ -130,30 +178,37 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
     pipe_stages = []
     for i in mine:
         ins, outs = split.stage_io_meta(i)
+        if flows is not None:  # a value that crosses stages sharded travels as this rank's shard
+            ins = tuple(lay.local_shape(t, s, layout.tp) for t, s in zip(ins, flows[i].inputs))
+            outs = tuple(lay.local_shape(t, s, layout.tp) for t, s in zip(outs, flows[i].outputs))
         pipe_stages.append(pipelining.PipelineStage(
             modules[i], i, n_stages, device,
             input_args=ins,
             output_args=outs[0] if len(outs) == 1 else outs,
+            group=pp_group,
         ))
-    schedule_cls = getattr(pipelining, SCHEDULES[task["schedule"]][0])
+    schedule_cls = getattr(pipelining, SCHEDULES[spec.schedule][0])
     schedule = schedule_cls(
-        pipe_stages if len(pipe_stages) > 1 or task["placement"] != "single" else pipe_stages[0],
-        n_microbatches=m,
+        pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
+        n_microbatches=spec.microbatches,
         loss_fn=loss_fn,
     )
-    ties = TieSync(split.tie_groups, split.stage_keys, modules, rank_of_stage, rank)
-    params = unique_params(modules.values())
-    optimizer = build.make_optimizer(task["optimizer"], params)
-    debug = task.get("debug", {})
+    channel.report("synchronising tied weights")
+    ties = TieSync(split.tie_groups, split.stage_keys, modules, rank_of_stage, rank, layout)
+    optimizers = {i: build.make_optimizer(spec.optimizer, modules[i].parameters()) for i in mine}
+    start_step = 0
+    if launch.get("load_dir"):
+        channel.report("loading the checkpoint")
+        start_step = ckpt.load(launch["load_dir"], modules, optimizers, split.tie_groups)
+    replicas = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 and not layout.fsdp else None
+    debug = spec.debug
+    keeper = dp_rank == 0 and tp_rank == 0  # the rank of its stages that sends their full tensors
 
-    losses, times, first_grads = [], [], {}
-    for step in range(task["steps"]):
-        if debug.get("crash_rank") == rank and debug.get("crash_step") == step:
-            if debug.get("crash_mode") == "exit":
-                os._exit(3)  # a rank that dies without a word
-            if debug.get("crash_mode") == "hang":
-                time.sleep(24 * 3600)  # a rank that never answers
-            raise RuntimeError(f"injected crash on rank {rank} at step {step}")
+    losses, times, first_grads, diverged = [], [], {}, None
+    for step in range(start_step, start_step + spec.steps):
+        channel.report("step", step - start_step)
+        if debug.crash_rank == rank and debug.crash_step == step - start_step:
+            inject_crash(debug.crash_mode, rank, step - start_step)
         batch = batch_for(step)
         args = split.flat_inputs(batch.args, batch.kwargs) if 0 in mine else ()
         kwargs = {}
@@ -163,46 +218,126 @@ def train_rank(task: dict, rank: int, ranks: int, device: torch.device) -> dict:
         dist.barrier()
         start = time.perf_counter()
         schedule.step(*(a.to(device) for a in args), **kwargs)
+        if replicas is not None:
+            average_grads(modules, replicas, layout.dp)
         ties.sum_grads()
-        if step == 0:
-            first_grads = {
-                key: p.grad.detach().cpu().clone()
-                for i in mine for key, p in modules[i].named_parameters(remove_duplicate=False)
-                if p.grad is not None
-            }
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = torch.stack([l.detach().float() for l in mb_losses]).mean().item() if mb_losses else None
+        diverged = check_finite(step - start_step, loss, modules, device)
+        if diverged is not None:
+            break
+        if step == start_step:
+            first_grads = full_tensors(((k, p.grad) for i in mine
+                                        for k, p in modules[i].named_parameters(remove_duplicate=False)
+                                        if p.grad is not None), keeper)
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-        if debug.get("check_ties"):
+        if debug.check_ties:
             ties.check_equal(step)
-        if mb_losses:
-            losses.append(torch.stack([l.detach().float() for l in mb_losses]).mean().item())
+        if loss is not None:
+            losses.append(loss)
+        channel.step_done(step - start_step, loss)
 
-    keep_all = debug.get("return_state", False)
     tied_keys = {k for g in split.tie_groups for k in g}
-    state = {
-        i: {k: v.detach().cpu().clone() for k, v in modules[i].state_dict().items()
-            if keep_all or k in tied_keys}
-        for i in mine
-    }
-    checkpoint = task.get("checkpoint_dir")
-    if checkpoint:
-        save_checkpoint(checkpoint, modules)
+    final = full_tensors(((k, v) for i in mine for k, v in modules[i].state_dict().items()), keeper)
+    state = {k: v for k, v in final.items() if debug.return_state or k in tied_keys}
+    if launch.get("checkpoint_dir") and diverged is None:
+        channel.report("saving the checkpoint")
+        ckpt.save(launch["checkpoint_dir"], modules, optimizers, hf=launch.get("hf_dir"),
+                  tie_groups=split.tie_groups)
+    channel.report("sending the result")
     return {
         "rank": rank,
+        "coords": {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank},
+        "keeper": keeper,
         "stages": mine,
+        "start_step": start_step,
         "losses": losses,
+        "diverged": diverged,
         "step_times_s": times,
         "step_time_s": median_after_first(times),
         "first_grads": first_grads,
-        "state": state,
-        "stage_bytes": sum(t.numel() * t.element_size()
-                           for i in mine for t in {id(t): t for t in modules[i].state_dict().values()}.values()),
+        "state": {i: {k: v for k, v in state.items() if k in split.stage_keys[i]} for i in mine} if keeper else {},
+        "fqn_problems": fqn_problems,
+        # The optimizers hold the parameters as this rank keeps them between steps (FSDP's shards).
+        "param_bytes": local_bytes(p for o in optimizers.values() for g in o.param_groups for p in g["params"]),
+        "stage_bytes": local_bytes(p for o in optimizers.values() for g in o.param_groups for p in g["params"])
+        + local_bytes(b for i in mine for b in modules[i].buffers()),
+        "optimizer_bytes": local_bytes(v for o in optimizers.values() for st in o.state.values()
+                                       for v in st.values() if isinstance(v, torch.Tensor)),
         "rss_growth_bytes": rss_growth,
-        "digests": {k: tensor_digest(v) for i in mine for k, v in modules[i].state_dict().items()},
+        "digests": {k: tensor_digest(v) for k, v in final.items()} if keeper else {},
         "tie_comm_groups": ties.comm_groups(),
         "pid": os.getpid(),
+        "host": os.uname().nodename,
     }
+
+
+def full_tensors(named, keep: bool) -> dict[str, torch.Tensor]:
+    """Whole tensors on the CPU by FQN; a sharded one is gathered (every rank of its mesh takes
+    part, in the same order), and kept only where ``keep``."""
+    out = {}
+    for key, t in named:
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if keep:
+            out[key] = whole.detach().cpu().clone()
+    return out
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for ``tensors`` (its shard of a sharded one), each tensor once."""
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[id(t)] = local.numel() * local.element_size()
+    return sum(seen.values())
+
+
+@torch.no_grad()
+def average_grads(modules: dict, group, size: int) -> None:
+    """Replicated data parallelism (``parallel.fsdp=false``): each gradient becomes the mean over
+    the data-parallel ranks."""
+    for module in modules.values():
+        for p in module.parameters():
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(local, group=group)
+                local.div_(size)
+
+
+def inject_crash(mode: str, rank: int, step: int) -> None:
+    if mode == "exit":
+        os._exit(3)  # a rank that dies without a word
+    if mode == "hang":
+        time.sleep(24 * 3600)  # a rank that never answers
+    if mode == "base":
+        raise InjectedBaseException(f"injected BaseException on rank {rank} at step {step}")
+    raise RuntimeError(f"injected crash on rank {rank} at step {step}")
+
+
+def first_non_finite(named_params) -> str | None:
+    """The FQN of the first parameter whose gradient holds a NaN or an infinity."""
+    for key, p in named_params:
+        grad = p.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if not bool(torch.isfinite(local).all()):
+            return key
+    return None
+
+
+def check_finite(step: int, loss: float | None, modules: dict, device) -> dict | None:
+    """Whether any rank saw a non-finite loss or gradient this step (one small all-reduce, so
+    every rank stops at the same step); what this rank saw, or None when all is finite."""
+    bad_loss = loss is not None and not math.isfinite(loss)
+    bad_grad = first_non_finite((k, p) for st in modules.values() for k, p in st.named_parameters())
+    flag = torch.tensor([float(bad_loss), float(bad_grad is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not bool(flag.any()):
+        return None
+    return {"step": step, "loss": loss, "non_finite_loss": bad_loss, "non_finite_grad": bad_grad}
 
 
 def separate_local_copies(modules: dict[int, torch.nn.Module]) -> None:
@@ -247,7 +382,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def materialize_stages(model, split, indices, task: dict, device) -> dict[int, torch.nn.Module]:
+def materialize_stages(model, split, indices, seed: int, pretrained: str | None, device) -> dict[int, torch.nn.Module]:
     """Give stages ``indices`` of a split traced on meta real tensors on ``device``, and only them.
 
     Their tensors are materialised in the meta model, initialised by the model's own
@@ -259,10 +394,9 @@ def materialize_stages(model, split, indices, task: dict, device) -> dict[int, t
              for i, st in stages.items()}
     every = set().union(*names.values())
     build.materialize(model, every, device)
-    build.initialize(model, task["seed"])
+    build.initialize(model, seed)
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
-    pretrained = task["model"].get("pretrained")
     if pretrained:
         keys = sorted(k for st in stages.values() for k in st.state_dict())
         with torch.no_grad():
@@ -283,31 +417,26 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()[:16]
 
 
-def save_checkpoint(path: str, modules: dict) -> None:
-    """Save this rank's stages with ``torch.distributed.checkpoint`` under the original FQNs.
-
-    Every rank calls this together; a tied key held by several ranks is one replicated entry.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    state = {}
-    for module in modules.values():
-        state.update({k: v.detach() for k, v in module.state_dict().items()})
-    dcp.save(state, checkpoint_id=path)
-
-
 def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, optimizer_spec,
-                     after_backward=None) -> dict:
+                     after_backward=None, load: tuple | None = None) -> dict:
     """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as the
     schedules do: mean of the microbatch losses, then ``after_backward``, then one optimizer step.
+    Stops at the first step with a non-finite loss or gradient (``diverged``).
 
     ``modules`` are what holds the parameters; gradients of the first step and the final state
-    are returned by FQN, per module.
+    are returned by FQN, per module. ``load``: (checkpoint folder, the module whose FQNs key it,
+    tie groups) to resume from, at the step it reached.
     """
+    from ppsplit import checkpoint as ckpt
+
     optimizer = build.make_optimizer(optimizer_spec, unique_params(modules))
     optimizer.zero_grad(set_to_none=True)  # start from no gradients, whatever ran before
-    losses, times, first_grads = [], [], []
-    for step in range(steps):
+    start_step = 0
+    if load is not None:
+        folder, holder, tie_groups = load
+        start_step = ckpt.load(folder, {0: holder}, {0: optimizer}, tie_groups)
+    losses, times, first_grads, diverged = [], [], [], None
+    for step in range(start_step, start_step + steps):
         start = time.perf_counter()
         total = 0.0
         for mb in batch_for(step).microbatches(microbatches):
@@ -316,7 +445,13 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
             total += loss.item()
         if after_backward is not None:
             after_backward()
-        if step == 0:
+        loss = total / microbatches
+        bad_grad = first_non_finite((k, p) for m in modules for k, p in m.named_parameters())
+        if not math.isfinite(loss) or bad_grad is not None:
+            diverged = {"step": step - start_step, "loss": loss, "non_finite_loss": not math.isfinite(loss),
+                        "non_finite_grad": bad_grad}
+            break
+        if step == start_step:
             first_grads = [
                 {k: p.grad.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)
                  if p.grad is not None}
@@ -325,11 +460,28 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-        losses.append(total / microbatches)
+        losses.append(loss)
     return {
         "losses": losses,
+        "diverged": diverged,
         "step_times_s": times,
         "step_time_s": median_after_first(times),
         "first_grads": first_grads,
         "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules],
+        "optimizer": optimizer,
+        "start_step": start_step,
     }
+
+
+def main(argv: list[str]) -> None:
+    """``python -m ppsplit.run_rank LAUNCH RANK WORLD``: a local rank, started by the driver."""
+    launch_file, rank, world = argv[0], int(argv[1]), int(argv[2])
+    die_with_parent(int(os.environ["PPSPLIT_DRIVER_PID"]))
+    try:
+        rank_entry(launch_file, rank, world)
+    except BaseException:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

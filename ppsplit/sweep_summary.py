@@ -13,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-COLUMNS = ("point", "overrides", "model", "stages", "strategy", "split_points", "balance_params",
+COLUMNS = ("point", "overrides", "model", "stages", "layout", "strategy", "split_points", "balance_params",
            "balance_flops", "check", "step_time_s", "max_loss_rel_diff", "error")
 
 
@@ -33,6 +33,7 @@ def summary_row(point: Path) -> dict[str, Any]:
         run = data.get("run") or {}
         row.update(
             model=data["model"], stages=data["stages"], strategy=data.get("split_strategy", ""),
+            layout="pp{pp}xdp{dp}xtp{tp}".format(**data["layout"]) if data.get("layout") else "",
             split_points=" ".join(data["split_points"]),
             balance_params=round(data["balance"]["params"], 4),
             balance_flops=round(data["balance"]["flops"], 4),
@@ -98,11 +99,24 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+_FAILED: list[str] = []
+
+
+def failed_points() -> list[str]:
+    """The points of the last sweep in this process that did not pass (the exit status is 1)."""
+    return list(_FAILED)
+
+
 class SweepSummary(Callback):
     """Registered in conf/config.yaml under ``hydra.callbacks``."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _FAILED.clear()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = config.hydra.sweep.dir
         if os.path.isdir(sweep_dir):
             rows = write_summary(sweep_dir)
-            print(f"ppsplit: sweep summary of {len(rows)} point(s): {os.path.join(sweep_dir, 'summary.md')}")
+            _FAILED[:] = [r["point"] for r in rows if r["check"] != "passed"]
+            failed = f"; {len(_FAILED)} failed: {', '.join(_FAILED)}" if _FAILED else ""
+            print(f"ppsplit: sweep summary of {len(rows)} point(s){failed}: {os.path.join(sweep_dir, 'summary.md')}")

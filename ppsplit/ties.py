@@ -2,29 +2,70 @@
 
 A tie group is the set of original FQNs that name one tensor (GPT2's ``transformer.wte.weight``
 and ``lm_head.weight``). Each stage that uses the tensor holds one copy; after every backward the
-copies' gradients are summed over every stage that holds the group (all-reduce across the ranks
-involved, a local sum for stages on one rank), so each copy's gradient is the unsplit model's
-and the copies stay equal under any optimizer. This is what DeepSpeed's tied layers and
-Megatron's shared embedding do, found here from the traced model instead of declared.
+copies' gradients are summed over every stage that holds the group (all-reduce across the
+pipeline ranks involved, a local sum for stages on one rank), so each copy's gradient is the
+unsplit model's and the copies stay equal under any optimizer. This is what DeepSpeed's tied
+layers and Megatron's shared embedding do, found here from the traced model instead of declared.
+
+With data or tensor parallelism the sum runs over the pipeline ranks of one (dp, tp) coordinate,
+on the local shards, when every copy is laid out alike (FSDP shards them alike, and a plan
+usually gives a tied embedding and head the same row sharding); copies laid out differently are
+summed as whole tensors and each takes its own shard back.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    placements = tuple(str(p) for p in getattr(t, "placements", ()))
+    return tuple(t.shape), placements, tuple(_local(t).shape)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s own part of ``full`` (the whole tensor for a plain one)."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements).to_local()
+
+
 class TieSync:
-    def __init__(self, groups, stage_keys, modules, rank_of_stage, rank):
-        """``modules`` are this rank's stages by index; every rank builds the same groups in the
-        same order (``dist.new_group`` is collective over the whole world)."""
+    def __init__(self, groups, stage_keys, modules, rank_of_stage, rank, layout=None):
+        """``modules`` are this rank's stages by index; ``rank_of_stage`` maps a stage to its
+        pipeline rank; ``layout`` (a :class:`ppsplit.layout.Layout`) places the pipeline ranks in
+        the world (None: pipeline ranks are the world's). Every rank builds the same groups in
+        the same order (``dist.new_group`` is collective over the whole world)."""
+        from ppsplit.layout import Layout
+
+        layout = layout or Layout(pp=max(rank_of_stage.values()) + 1, dp=1, tp=1)
+        pp, dp, tp = layout.coords(rank)
         self.rank = rank
         self.entries = []
         for group in groups:
             holders = [s for s, keys in enumerate(stage_keys) if set(keys) & set(group)]
-            ranks = sorted({rank_of_stage[s] for s in holders})
-            process_group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank not in ranks:
+            pipe_ranks = sorted({rank_of_stage[s] for s in holders})
+            process_group = None
+            if len(pipe_ranks) > 1:
+                for d, t in itertools.product(range(layout.dp), range(layout.tp)):
+                    ranks = [layout.rank_of(p, d, t) for p in pipe_ranks]
+                    made = dist.new_group(ranks)
+                    if (d, t) == (dp, tp):
+                        process_group, my_ranks = made, ranks
+            if pp not in pipe_ranks:
                 continue
             local = []
             for s in holders:
@@ -35,24 +76,43 @@ class TieSync:
                         tensor = modules[s].get_parameter(key)
                         if all(tensor is not t for t in local):
                             local.append(tensor)
-            self.entries.append({"keys": list(group), "ranks": ranks, "local": local,
-                                 "group": process_group})
+            self.entries.append({"keys": list(group), "ranks": pipe_ranks, "local": local,
+                                 "group": process_group,
+                                 "world_ranks": my_ranks if process_group is not None else [rank]})
+        for e in self.entries:
+            e["alike"] = self._alike(e)
         self._start_equal()
 
+    def _alike(self, e) -> bool:
+        """Whether every copy of the group, on every rank, is laid out alike (shards line up)."""
+        mine = {_layout(t) for t in e["local"]}
+        if e["group"] is None:
+            return len(mine) == 1
+        seen = [None] * len(e["world_ranks"])
+        dist.all_gather_object(seen, sorted(mine), group=e["group"])
+        return len({x for s in seen for x in s}) == 1
+
     def comm_groups(self) -> list[dict]:
-        """The tie groups this rank communicates for, with the ranks involved."""
+        """The tie groups this rank communicates for, with the pipeline ranks involved."""
         return [{"keys": e["keys"], "ranks": e["ranks"]} for e in self.entries if e["group"] is not None]
 
     @torch.no_grad()
     def _start_equal(self) -> None:
         # Whatever initialised the copies (seed, checkpoint, a later init path), start from the
-        # lowest rank's values.
+        # lowest pipeline rank's values.
         for e in self.entries:
             first = e["local"][0]
-            if e["group"] is not None:
-                dist.broadcast(first.data, src=e["ranks"][0], group=e["group"])
-            for other in e["local"][1:]:
-                other.data.copy_(first.data)
+            if e["alike"]:
+                if e["group"] is not None:
+                    dist.broadcast(_local(first), src=e["world_ranks"][0], group=e["group"])
+                for other in e["local"][1:]:
+                    _local(other).copy_(_local(first))
+            else:
+                full = _full(first).contiguous()
+                if e["group"] is not None:
+                    dist.broadcast(full, src=e["world_ranks"][0], group=e["group"])
+                for t in e["local"]:
+                    _local(t).copy_(_shard_of(full, t))
 
     @torch.no_grad()
     def sum_grads(self) -> None:
@@ -60,20 +120,29 @@ class TieSync:
         for e in self.entries:
             if len(e["local"]) == 1 and e["group"] is None:
                 continue  # one tensor in one stage: nothing to synchronise
-            grads = [t.grad for t in e["local"] if t.grad is not None]
-            total = torch.stack(grads).sum(0) if grads else torch.zeros_like(e["local"][0])
-            if e["group"] is not None:
-                dist.all_reduce(total, group=e["group"])
             for t in e["local"]:
-                t.grad = total.clone()
+                if t.grad is None:
+                    t.grad = torch.zeros_like(t)
+            if e["alike"]:
+                total = torch.stack([_local(t.grad) for t in e["local"]]).sum(0)
+                if e["group"] is not None:
+                    dist.all_reduce(total, group=e["group"])
+                for t in e["local"]:
+                    _local(t.grad).copy_(total)
+            else:
+                total = torch.stack([_full(t.grad) for t in e["local"]]).sum(0)
+                if e["group"] is not None:
+                    dist.all_reduce(total, group=e["group"])
+                for t in e["local"]:
+                    _local(t.grad).copy_(_shard_of(total, t.grad))
 
     @torch.no_grad()
     def check_equal(self, step: int) -> None:
         """Fail loudly if any copy differs from another, in this rank or across ranks."""
         for e in self.entries:
-            first = e["local"][0]
+            first = _local(e["local"][0]) if e["alike"] else _full(e["local"][0])
             for other in e["local"][1:]:
-                if not torch.equal(first, other):
+                if not torch.equal(first, _local(other) if e["alike"] else _full(other)):
                     raise RuntimeError(f"tied tensor {e['keys'][0]} drifted between stages at step {step}")
             if e["group"] is not None:
                 copies = [torch.empty_like(first) for _ in e["ranks"]]

@@ -125,8 +125,9 @@ def module_run_order(program: ExportedProgram) -> dict[str, int]:
     return first
 
 
-def find_blocks(model: torch.nn.Module, run_order: dict[str, int]) -> list[str]:
-    """The model's repeated blocks, in the order they run.
+def find_blocks(model: torch.nn.Module, run_order: dict[str, int] | None = None) -> list[str]:
+    """The model's repeated blocks, in the order they run (without ``run_order``: every block
+    the structure holds, in definition order, an upper bound known before tracing).
 
     A block list is an ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one
     class that sits inside no other block list: ``transformer.h``, ``model.layers``,
@@ -146,6 +147,8 @@ def find_blocks(model: torch.nn.Module, run_order: dict[str, int]) -> list[str]:
         for c in containers
         for i in range(len(model.get_submodule(c)))
     ]
+    if run_order is None:
+        return blocks
     blocks = [b for b in blocks if b in run_order]
     return sorted(blocks, key=run_order.__getitem__)
 
@@ -295,6 +298,13 @@ def split(
     positions = _point_positions(model, points, run_order)
     result = _build_split(model, program, points, positions, blocks)
     result.strategy = chosen
+    for index, stage in enumerate(result.stages):
+        if not any(True for _ in stage.parameters()) and not any(b in result.stage_modules[index] for b in blocks):
+            where = "before the first split point" if index == 0 else f"from {points[index - 1]!r}"
+            raise PpsplitError(
+                f"split points {points}: stage {index} ({where}) holds no parameter and no block; "
+                "allowed: points that give every stage some of the model's work"
+            )
     return result
 
 

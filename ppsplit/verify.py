@@ -210,7 +210,9 @@ def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequ
 
     ref_losses = reference["losses"]
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)]
-    max_rel = max(rel, default=0.0) if len(losses) == len(ref_losses) else float("inf")
+    # max() skips a NaN that is not first: any non-finite value fails the comparison
+    max_rel = (max(rel, default=0.0) if len(losses) == len(ref_losses) and all(map(math.isfinite, rel))
+               else float("inf"))
 
     ref_grads = reference["first_grads"][0] if reference["first_grads"] else {}
     grad_diff, worst = 0.0, ""
@@ -218,11 +220,14 @@ def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequ
         for key, grad in grads.items():
             ref = ref_grads.get(key)
             diff = float("inf") if ref is None else (grad.float() - ref.float()).abs().max().item()
+            if not math.isfinite(diff):
+                diff = float("inf")
             if diff > grad_diff:
                 grad_diff, worst = diff, key
 
     ok = (max_rel <= loss_rtol and grad_diff <= grad_atol and
-          all(t["copies_bitwise_equal"] and t["max_abs_diff_vs_reference"] <= tie_atol for t in ties))
+          all(t["copies_bitwise_equal"] and math.isfinite(t["max_abs_diff_vs_reference"])
+              and t["max_abs_diff_vs_reference"] <= tie_atol for t in ties))
     return {
         "losses": list(losses),
         "reference_losses": list(ref_losses),

@@ -4,7 +4,7 @@ from hydra import compose, initialize_config_dir
 
 from ppsplit import build
 from ppsplit.cli import CONF_DIR
-from ppsplit.job import model_settings
+from ppsplit.job_spec import from_config
 
 
 def compose_cfg(*overrides):
@@ -15,8 +15,8 @@ def compose_cfg(*overrides):
 def model_and_batch(name, *overrides, seed=0):
     """(model, microbatches, loss_fn) for model config ``name``."""
     cfg = compose_cfg(f"model={name}", *overrides)
-    s = model_settings(cfg)
-    model = build.build_model(s["class_name"], s["config"], s["pretrained"], seed=seed)
-    batch = build.make_batch(s["inputs"], model, cfg.batch_size, cfg.seq_len, cfg.seed,
-                             call_kwargs=s["call_kwargs"])
-    return model, batch.microbatches(cfg.microbatches), build.loss_fn(s["loss"])
+    s = from_config(cfg).model
+    model = build.build_model(s.class_name, s.config, s.pretrained, seed=seed)
+    batch = build.make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
+                             call_kwargs=s.call_kwargs)
+    return model, batch.microbatches(cfg.microbatches), build.loss_fn(s.loss)

@@ -76,13 +76,13 @@ def test_unknown_group_option_gets_hydras_message(tmp_path):
 
 def test_pretrained_local_folder_loads_real_weights(tmp_path):
     from ppsplit import build
-    from ppsplit.job import model_settings
+    from ppsplit.job_spec import from_config
 
-    s = model_settings(compose_cfg("model=gpt2"))
-    saved = build.build_model(s["class_name"], s["config"], seed=123)
+    s = from_config(compose_cfg("model=gpt2")).model
+    saved = build.build_model(s.class_name, s.config, seed=123)
     saved.save_pretrained(tmp_path / "gpt2")
     cfg = compose_cfg("model=gpt2", f"model.pretrained={tmp_path / 'gpt2'}")
     assert run(cfg, str(tmp_path)) == 0
-    loaded = build.build_model(s["class_name"], pretrained=str(tmp_path / "gpt2"))
+    loaded = build.build_model(s.class_name, pretrained=str(tmp_path / "gpt2"))
     ref = saved.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())

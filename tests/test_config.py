@@ -34,17 +34,17 @@ def test_option_composes(cfg_for, group, option):
 @pytest.mark.parametrize("option", GROUPS["model"])
 def test_model_option_builds_tiny_model(cfg_for, option):
     from ppsplit import build
-    from ppsplit.job import model_settings
+    from ppsplit.job_spec import from_config
 
-    s = model_settings(cfg_for(f"model={option}"))
-    model = build.build_model(s["class_name"], s["config"], None, seed=0)
-    assert type(model).__name__ == s["class_name"]
+    s = from_config(cfg_for(f"model={option}")).model
+    model = build.build_model(s.class_name, s.config, None, seed=0)
+    assert type(model).__name__ == s.class_name
     assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny: the suite stays fast
-    build.loss_fn(s["loss"])
+    build.loss_fn(s.loss)
 
 
 def test_model_config_field_overrides(cfg_for):
-    from ppsplit.job import model_settings
+    from ppsplit.job_spec import from_config
 
     cfg = cfg_for("model=gpt2", "model.config.n_layer=6")
-    assert model_settings(cfg)["config"]["n_layer"] == 6
+    assert from_config(cfg).model.config["n_layer"] == 6

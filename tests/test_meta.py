@@ -9,7 +9,7 @@ import torch
 import ppsplit
 from ppsplit import build
 from ppsplit.cli import run
-from ppsplit.job import model_settings
+from ppsplit.job_spec import from_config
 from ppsplit.run_rank import materialize_stages
 from helpers import compose_cfg
 
@@ -18,19 +18,18 @@ MODELS = ("gpt2", "llama", "bert", "t5")
 
 def meta_and_real_splits(model, stages=2, pretrained=None):
     cfg = compose_cfg(f"model={model}")
-    s = model_settings(cfg)
-    real = (build.build_model(s["class_name"], pretrained=pretrained) if pretrained else
-            build.build_model(s["class_name"], s["config"], seed=0))
-    batch = build.make_batch(s["inputs"], real.config, cfg.batch_size, cfg.seq_len, 0,
-                             call_kwargs=s["call_kwargs"]).microbatches(cfg.microbatches)[0]
+    s = from_config(cfg).model
+    real = (build.build_model(s.class_name, pretrained=pretrained) if pretrained else
+            build.build_model(s.class_name, s.config, seed=0))
+    batch = build.make_batch(s.inputs, real.config, cfg.batch_size, cfg.seq_len, 0,
+                             call_kwargs=s.call_kwargs).microbatches(cfg.microbatches)[0]
     real_split = ppsplit.split(real, batch.args, batch.kwargs, stages=stages)
-    meta = build.build_on_meta(s["class_name"], s["config"], pretrained)
+    meta = build.build_on_meta(s.class_name, s.config, pretrained)
     mb = batch.to("meta")
     meta_split = ppsplit.split(meta, mb.args, mb.kwargs, stages=stages)
     assert all(t.is_meta for st in meta_split.stages for t in st.state_dict().values())
     assert ppsplit.verify_fqns(meta, meta_split).ok
-    task = {"seed": 0, "model": {"pretrained": pretrained}}
-    stages_ = list(materialize_stages(meta, meta_split, range(stages), task, torch.device("cpu")).values())
+    stages_ = list(materialize_stages(meta, meta_split, range(stages), 0, pretrained, torch.device("cpu")).values())
     return real, real_split, stages_, batch
 
 
@@ -50,8 +49,8 @@ def test_meta_stages_equal_real_stages_and_compute_the_same(model):
 
 @pytest.mark.parametrize("shard", [None, "40KB"])
 def test_pretrained_checkpoint_loads_stage_by_stage(tmp_path, shard):
-    s = model_settings(compose_cfg("model=gpt2"))
-    source = build.build_model(s["class_name"], s["config"], seed=77)
+    s = from_config(compose_cfg("model=gpt2")).model
+    source = build.build_model(s.class_name, s.config, seed=77)
     kwargs = {"max_shard_size": shard} if shard else {}
     source.save_pretrained(tmp_path / "ckpt", **kwargs)
     names = {p.name for p in (tmp_path / "ckpt").iterdir()}
@@ -83,20 +82,20 @@ def test_rank_memory_is_its_stage_not_the_model(tmp_path):
                  "model.config.n_head=8", "stages=4", "steps=1", "batch_size=4", "microbatches=4", "seq_len=16"]
     assert run(compose_cfg(*overrides), str(tmp_path)) == 0
     data = json.loads((tmp_path / "report.json").read_text())
-    s = model_settings(compose_cfg(*overrides))
-    full_bytes = 4 * build.count_params(s["class_name"], s["config"])
-    for rank in data["run"]["rank_memory"]:
+    s = from_config(compose_cfg(*overrides)).model
+    full_bytes = 4 * build.count_params(s.class_name, s.config)
+    for rank in data["run"]["rank_layout"]:
         assert rank["stage_bytes"] * 3 < full_bytes  # the model is several times a stage
         assert rank["rss_growth_bytes"] <= 1.2 * rank["stage_bytes"] + 64 * 2**20, rank
 
 
 def test_auto_init_picks_meta_above_the_threshold():
-    s = model_settings(compose_cfg("model=llama"))
-    assert build.resolve_init("auto", s["class_name"], s["config"], None) == "real"
-    assert build.resolve_init("auto", s["class_name"], s["config"], None, threshold=1000) == "meta"
-    big = dict(s["config"], num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
+    s = from_config(compose_cfg("model=llama")).model
+    assert build.resolve_init("auto", s.class_name, s.config, None) == "real"
+    assert build.resolve_init("auto", s.class_name, s.config, None, threshold=1000) == "meta"
+    big = dict(s.config, num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
-    assert build.resolve_init("auto", s["class_name"], big, None) == "meta"
+    assert build.resolve_init("auto", s.class_name, big, None) == "meta"
 
 
 def test_meta_with_inline_training_is_refused(tmp_path):

@@ -3,7 +3,9 @@ concurrent jobs, failures and time-outs reported."""
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -51,10 +53,10 @@ def test_slurm_rank_crash_is_named(tmp_path, launcher):
 
 
 @pytest.mark.parametrize("launcher", ["slurm"])
-def test_slurm_job_past_its_timeout_is_cancelled_and_says_so(tmp_path, launcher):
+def test_slurm_hung_rank_is_named_and_the_job_cancelled(tmp_path, launcher):
     cfg = compose_cfg("model=gpt2", "launcher=slurm", "debug.crash_rank=0", "debug.crash_step=0",
-                      "debug.crash_mode=hang", "timeout_s=25")
-    with pytest.raises(CheckFailed, match=r"did not finish within timeout_s=25; job \d+ cancelled"):
+                      "debug.crash_mode=hang", "timeout_s=20")
+    with pytest.raises(CheckFailed, match=r"no progress for timeout_s=20: rank 0 in step 1/3 at ppsplit/run_rank.py"):
         run(cfg, str(tmp_path))
     job_id = [l for l in os.listdir(tmp_path / "submitit") if l.endswith("_submission.sh")]
     deadline = time.monotonic() + 30
@@ -78,3 +80,43 @@ def test_slurm_sweep_runs_points_as_concurrent_jobs(tmp_path, launcher):
     assert all(r["ok"] and r["run"]["launcher"] == "slurm" for r in reports)
     (a0, a1), (b0, b1) = [(r["started_at"], r["finished_at"]) for r in reports]
     assert a0 < b1 and b0 < a1, "the sweep points ran one after another"
+
+
+def start_driver(run_dir, *overrides):
+    return subprocess.Popen(
+        [sys.executable, "-m", "ppsplit", "launcher=slurm", "steps=100000", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=os.path.dirname(run_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+@pytest.mark.parametrize("what", ["SIGTERM", "SIGKILL", "rank"])
+def test_slurm_ranks_never_outlive_their_driver_and_a_killed_rank_is_named(tmp_path, launcher, what):
+    from test_reliability import alive, seconds_until_gone, stop, wait_training
+
+    run_dir = tmp_path / "run"
+    proc = start_driver(run_dir)
+    try:
+        pids = wait_training(run_dir)
+        start = time.monotonic()
+        if what == "rank":
+            os.kill(int(open(run_dir / "ranks" / "rank1.pid").read().split()[0]), signal.SIGKILL)
+        else:
+            os.kill(proc.pid, getattr(signal, what))
+        if what == "SIGKILL":
+            gone = seconds_until_gone(pids, start)
+        else:
+            _, err = proc.communicate(timeout=60)
+            gone = seconds_until_gone(pids, start)
+    finally:
+        stop(proc)
+    if what == "SIGTERM":
+        assert proc.returncode == 143
+        assert err.strip().splitlines() == ["ppsplit: interrupted by SIGTERM; no rank is left running"]
+    if what == "rank":
+        assert proc.returncode == 1
+        assert err.strip().splitlines()[-1].startswith("ppsplit: check failed: rank 1 stopped answering")
+    assert gone < 15  # control.DRIVER_LOST_S bounds a rank whose driver vanished
+    print(f"slurm {what} -> {'reported and ' if what == 'rank' else ''}no rank left: {gone:.2f} s")
+    assert not any(alive(p) for p in pids)

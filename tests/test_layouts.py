@@ -1,0 +1,201 @@
+"""What the FQNs are for: pipeline x FSDP2 x tensor parallel by FQN, each compared with the unsplit
+model on the same global batch, and checkpoints that move between layouts."""
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+
+from ppsplit import PpsplitError
+from ppsplit.cli import run
+from conftest import run_cli
+from helpers import compose_cfg
+
+pytestmark = pytest.mark.slow
+
+
+def run_report(folder, *overrides):
+    cfg = compose_cfg(*overrides)
+    code = run(cfg, str(folder))
+    return code, json.loads((folder / "report.json").read_text())
+
+
+def assert_matches_unsplit(run_section, steps=3, tie_atol=1e-6):
+    assert run_section["ok"], run_section.get("worst_grad")
+    assert run_section["rank_fqn_problems"] == []  # every rank's stages keep the original FQNs
+    assert len(run_section["losses"]) == steps == len(run_section["reference_losses"])
+    assert run_section["max_loss_rel_diff"] <= 1e-5
+    assert run_section["grad_max_abs_diff"] <= 1e-5, run_section["worst_grad"]  # full tensors, by FQN
+    for tie in run_section["ties"]:
+        assert tie["copies_bitwise_equal"] and tie["max_abs_diff_vs_reference"] <= tie_atol, tie
+
+
+LAYOUTS = [
+    ("gpt2", 2, 1, "sgd"), ("llama", 2, 1, "adamw"), ("bert", 2, 1, "sgd"), ("t5", 2, 1, "adamw"),
+    ("llama", 1, 2, "sgd"), ("bert", 1, 2, "adamw"), ("t5", 1, 2, "sgd"),
+]
+
+
+@pytest.mark.parametrize("model,dp,tp,optimizer", LAYOUTS, ids=[f"{m}-pp2xdp{d}xtp{t}-{o}" for m, d, t, o in LAYOUTS])
+def test_pp2_with_data_or_tensor_parallel_matches_unsplit(tmp_path, model, dp, tp, optimizer):
+    code, data = run_report(tmp_path, f"model={model}", f"parallel.dp={dp}", f"parallel.tp={tp}",
+                            f"optimizer={optimizer}", "tie_tolerance=1e-5", "timeout_s=300")
+    assert code == 0
+    run_section = data["run"]
+    assert run_section["mesh"] == {"pp": 2, "dp": dp, "tp": tp, "fsdp": dp > 1}
+    assert run_section["ranks"] == 2 * dp * tp
+    coords = sorted((r["pp"], r["dp"], r["tp"]) for r in run_section["rank_layout"])
+    assert coords == [(p, d, t) for p in range(2) for d in range(dp) for t in range(tp)]
+    assert_matches_unsplit(run_section, tie_atol=1e-5)
+
+
+def test_pp2_dp2_tp2_on_eight_ranks_with_a_tie(tmp_path):
+    code, data = run_report(tmp_path, "model=llama", "+model.config.tie_word_embeddings=true",
+                            "parallel.dp=2", "parallel.tp=2", "optimizer=adamw", "tie_tolerance=1e-5",
+                            "timeout_s=300")
+    assert code == 0 and data["run"]["ranks"] == 8
+    assert_matches_unsplit(data["run"], tie_atol=1e-5)
+    assert [t["keys"] for t in data["run"]["ties"]] == [["model.embed_tokens.weight", "lm_head.weight"]]
+
+
+def test_fsdp_halves_what_each_rank_holds(tmp_path):
+    _, one = run_report(tmp_path / "dp1", "model=llama", "optimizer=adamw")
+    _, two = run_report(tmp_path / "dp2", "model=llama", "optimizer=adamw", "parallel.dp=2")
+    _, rep = run_report(tmp_path / "rep", "model=llama", "optimizer=adamw", "parallel.dp=2", "parallel.fsdp=false")
+    assert_matches_unsplit(two["run"])
+    assert_matches_unsplit(rep["run"])
+
+    def held(data, pp):
+        return [r["param_bytes"] + r["optimizer_bytes"] for r in data["run"]["rank_layout"] if r["pp"] == pp]
+
+    for pp in (0, 1):
+        whole = held(one, pp)[0]
+        assert all(0.45 * whole <= b <= 0.6 * whole for b in held(two, pp)), (held(two, pp), whole)
+        assert held(rep, pp) == [whole, whole]  # plain replicas hold it all
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_multi_stage_schedules_with_data_parallel(tmp_path, schedule):
+    code, data = run_report(tmp_path, "model=gpt2", "stages=4", f"schedule={schedule}", "parallel.dp=2",
+                            "timeout_s=300")
+    assert code == 0 and data["run"]["ranks"] == 4 and data["run"]["stages_per_rank"] == 2
+    assert_matches_unsplit(data["run"])
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["model=gpt2", "parallel.tp=2"], "GPT2LMHeadModel has no tensor-parallel plan"),
+    (["model=llama", "parallel.tp=4"], "parallel.tp=4 does not divide the model's num_key_value_heads=2"),
+    (["model=gpt2", "parallel.dp=2", "launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2"],
+     "gives 2 ranks; this run needs 4"),
+])
+def test_layouts_that_cannot_run_are_refused_before_any_rank(tmp_path, overrides, expect):
+    with pytest.raises(PpsplitError, match=expect):
+        run(compose_cfg(*overrides), str(tmp_path))
+    assert not (tmp_path / "ranks").exists()
+
+
+def checkpoint_step(overrides, folder, load=None, save=None, steps=2):
+    args = [*overrides, f"steps={steps}", "optimizer=adamw", "tie_tolerance=1e-5", "timeout_s=300"]
+    if load:
+        args.append(f"checkpoint.load={load}")
+    if save:
+        args += ["checkpoint.save=true", f"checkpoint.dir={save}"]
+    code, data = run_report(folder, *args)
+    assert code == 0, data["run"]
+    return data
+
+
+@pytest.mark.parametrize("model,chain", [
+    ("gpt2", [["stages=2"], ["stages=4"], ["stages=2", "parallel.dp=2"], ["launcher=inline", "stages=1"]]),
+    ("llama", [["stages=2", "parallel.tp=2"], ["stages=4"], ["stages=2", "parallel.dp=2", "parallel.tp=2"],
+               ["launcher=inline", "stages=1"]]),
+])
+def test_a_checkpoint_moves_between_layouts_and_training_goes_on_as_if_uninterrupted(tmp_path, model, chain):
+    import transformers
+
+    from ppsplit.run_rank import tensor_digest
+
+    steps = 2
+    whole = checkpoint_step([f"model={model}", "launcher=inline"], tmp_path / "whole", steps=steps * len(chain))
+    losses, previous = [], None
+    for i, layout in enumerate(chain):
+        save = tmp_path / f"ckpt{i}"
+        last = i == len(chain) - 1
+        data = checkpoint_step([f"model={model}", *layout, "checkpoint.hf=true"],
+                               tmp_path / f"run{i}", load=previous, save=save, steps=steps)
+        assert data["run"]["resumed_from"] == (None if previous is None else
+                                               {"checkpoint": str(previous), "step": steps * i})
+        assert_matches_unsplit(data["run"], steps=steps, tie_atol=1e-5)  # resumed on both sides
+        losses += data["run"]["losses"]
+        previous = save
+        # Each layout's HF folder is an ordinary transformers model: the trained tensors, tied as before.
+        cls = getattr(transformers, data["model_class"])
+        loaded = cls.from_pretrained(save / "hf")
+        assert {k: tensor_digest(v) for k, v in loaded.state_dict().items()} == data["run"]["final_state_digests"]
+    assert losses == pytest.approx(whole["run"]["losses"], rel=1e-5)
+    assert json.loads((previous / "ppsplit.json").read_text())["step"] == steps * len(chain)
+    proc = run_cli(f"model={model}", f"model.pretrained={previous / 'hf'}", "launcher=inline", "steps=1",
+                   f"hydra.run.dir={tmp_path}/pretrained", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_sweep_over_layouts_shows_them(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "model=gpt2", "steps=1", "parallel.dp=1,2", "stages=2,4", f"hydra.sweep.dir={sweep}",
+                   "timeout_s=300", cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert sorted(r["layout"] for r in rows) == ["pp2xdp1xtp1", "pp2xdp2xtp1", "pp4xdp1xtp1", "pp4xdp2xtp1"]
+    assert all(r["check"] == "passed" for r in rows)
+
+
+# --- the Python API, without Hydra -------------------------------------------------------------------
+
+def _api_rank(rank, world, port, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ppsplit
+    from helpers import model_and_batch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model, mbs, loss_fn = model_and_batch("llama")
+    split = ppsplit.split(model, mbs[0].args, mbs[0].kwargs, stages=2)
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    for index in range(2):
+        ppsplit.parallelize(split, index, model, mesh)  # tensor parallel over both ranks
+    keys = [sorted(stage.state_dict()) for stage in split.stages]
+    for mb in mbs:
+        loss_fn(split(*mb.args, **mb.kwargs), mb.labels).backward()
+    grads = {k: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for st in split.stages
+             for k, p in st.named_parameters()}
+    if rank == 0:
+        torch.save({"keys": keys, "grads": grads}, out)
+    dist.destroy_process_group()
+
+
+def test_parallelize_from_python(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import ppsplit
+    from helpers import model_and_batch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "grads.pt"
+    mp.spawn(_api_rank, args=(2, port, str(out)), nprocs=2)
+    got = torch.load(out)
+    model, mbs, loss_fn = model_and_batch("llama")
+    split = ppsplit.split(model, mbs[0].args, mbs[0].kwargs, stages=2)
+    assert got["keys"] == [sorted(stage.state_dict()) for stage in split.stages]  # FQNs unchanged
+    for mb in mbs:
+        loss_fn(model(*mb.args, **mb.kwargs), mb.labels).backward()
+    for key, grad in got["grads"].items():
+        assert torch.allclose(grad, model.get_parameter(key).grad, atol=1e-6), key
