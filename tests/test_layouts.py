@@ -76,10 +76,10 @@ def test_fsdp_halves_what_each_rank_holds(tmp_path):
         assert held(rep, pp) == [whole, whole]  # plain replicas hold it all
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
-def test_multi_stage_schedules_with_data_parallel(tmp_path, schedule):
+@pytest.mark.parametrize("schedule,fsdp", [("interleaved_1f1b", "true"), ("zbv", "false")])
+def test_multi_stage_schedules_with_data_parallel(tmp_path, schedule, fsdp):
     code, data = run_report(tmp_path, "model=gpt2", "stages=4", f"schedule={schedule}", "parallel.dp=2",
-                            "timeout_s=300")
+                            f"parallel.fsdp={fsdp}", "timeout_s=300")
     assert code == 0 and data["run"]["ranks"] == 4 and data["run"]["stages_per_rank"] == 2
     assert_matches_unsplit(data["run"])
 
@@ -89,6 +89,7 @@ def test_multi_stage_schedules_with_data_parallel(tmp_path, schedule):
     (["model=llama", "parallel.tp=4"], "parallel.tp=4 does not divide the model's num_key_value_heads=2"),
     (["model=gpt2", "parallel.dp=2", "launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2"],
      "gives 2 ranks; this run needs 4"),
+    (["model=gpt2", "stages=4", "schedule=zbv", "parallel.dp=2"], "allowed: parallel.fsdp=false"),
 ])
 def test_layouts_that_cannot_run_are_refused_before_any_rank(tmp_path, overrides, expect):
     with pytest.raises(PpsplitError, match=expect):
