@@ -22,7 +22,16 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ppsplit.errors import CheckFailed, PpsplitError
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+def _conf_dir() -> str:
+    """The config tree: inside an installed package (``ppsplit/conf``), else the repository's
+    ``conf/`` beside the package (a checkout, or an editable install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "conf")
+    return packaged if os.path.isfile(os.path.join(packaged, "config.yaml")) else os.path.join(
+        os.path.dirname(here), "conf")
+
+
+CONF_DIR = _conf_dir()
 DEFAULT_RUN_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"  # as conf/config.yaml says
 
 
@@ -183,6 +192,26 @@ def _message(err: BaseException) -> tuple[str, int]:
     return f"ppsplit: failed: {one_line(err)} (PPSPLIT_DEBUG=1 shows the traceback)", 1
 
 
+class _Tee:
+    """A console stream that also writes to the run folder's log (not a bar's redraws)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        if "\r" not in text:
+            self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> int:
     hydra_cfg = HydraConfig.get()
@@ -190,16 +219,23 @@ def hydra_main(cfg: DictConfig) -> int:
     single = hydra_cfg.mode == RunMode.RUN
     overrides = list(hydra_cfg.overrides.task)
     message = None
+    log = open(os.path.join(output_dir, f"{hydra_cfg.job.name}.log"), "a")
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
     try:
-        from ppsplit.job import Progress
+        try:
+            from ppsplit.report import Progress
 
-        code = run(cfg, output_dir, overrides, Progress(enabled=True))
-    except BaseException as err:  # every failure ends in one line and an exit status
-        if isinstance(err, SystemExit):
-            raise
-        message, code = _message(err)
-    if message:
-        print(message, file=sys.stderr, flush=True)
+            code = run(cfg, output_dir, overrides, Progress(enabled=True))
+        except BaseException as err:  # every failure ends in one line and an exit status
+            if isinstance(err, SystemExit):
+                raise
+            message, code = _message(err)
+        if message:
+            print(message, file=sys.stderr, flush=True)
+    finally:
+        sys.stdout, sys.stderr = streams
+        log.close()
     if single:
         if code == 2 and _RUN_FOLDER is not None:
             _RUN_FOLDER.clean()

@@ -40,8 +40,8 @@ class DriverChannel:
     """The driver's end: hosts the store on ``host``:``port`` (0: a free port chosen by the
     system), reads the ranks' heartbeats, errors and results."""
 
-    def __init__(self, host: str, port: int | None, token: str, world: int):
-        self.token, self.world = token, world
+    def __init__(self, host: str, port: int | None, token: str):
+        self.token = token
         try:
             self._socket = socket.create_server((host, port or 0))
         except OSError as err:

@@ -30,7 +30,7 @@ import time
 
 from ppsplit.control import EXIT_ABORTED, EXIT_DRIVER_GONE, RANK_LOST_S, DriverChannel, new_token
 from ppsplit.errors import CheckFailed, PpsplitError
-from ppsplit.job_spec import SCHEDULES, JobSpec, RankPlan, plan_ranks  # noqa: F401 (re-exported)
+from ppsplit.job_spec import JobSpec
 
 POLL_S = 0.25
 ROOT_CAUSE_GRACE_S = RANK_LOST_S + 1.0  # after a lost-peer error, wait this long for its cause
@@ -209,14 +209,16 @@ class Ranks:
         self.spec = spec
         self.world = spec.world_size
         self.folder = os.path.join(run_dir, "ranks")
-        self.progress = progress or (lambda line: None)
+        from ppsplit.report import Progress
+
+        self.progress = progress or Progress(enabled=False)
         self.channel: DriverChannel | None = None
         self.backend = None
         self.failure: str | None = None
         self.results: list[dict] | None = None
         self._done = threading.Event()
-        self._waiting = False
-        self._main = threading.main_thread().ident
+        self._waiting = self._closing = False
+        self._thread: threading.Thread | None = None
         self._beats: dict[int, dict] = {}
         self._reported_step = 0
 
@@ -226,7 +228,7 @@ class Ranks:
         launcher = self.spec.launcher
         host = "127.0.0.1" if launcher.name == "local" else _driver_host()
         token = new_token()
-        self.channel = DriverChannel(host, launcher.port, token, self.world)
+        self.channel = DriverChannel(host, launcher.port, token)
         launch_file = os.path.join(self.folder, "launch.pkl")
         with open(launch_file, "wb") as f:
             pickle.dump({**payload, "spec": self.spec, "host": host, "port": self.channel.port,
@@ -236,7 +238,6 @@ class Ranks:
         else:
             self.backend = SlurmJob(launch_file, self.spec, os.path.join(os.path.dirname(self.folder), "submitit"),
                                     self.world)
-        self.started_at = time.monotonic()
         self.progress(f"ranks: {self.world} started ({self.backend.describe()})")
         self._thread = threading.Thread(target=self._watch, name="ppsplit-monitor", daemon=True)
         self._thread.start()
@@ -246,8 +247,12 @@ class Ranks:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._closing = True  # from here on the monitor never interrupts the main thread
         if self.backend is not None and self.results is None:
             self.cancel(f"the driver stopped ({exc_type.__name__ if exc_type else 'done'})")
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         if self.backend is not None:
             self.backend.finished()
         if self.channel is not None:
@@ -274,9 +279,6 @@ class Ranks:
         if self.failure:
             raise CheckFailed(self.failure)
         return self.results
-
-    def pids(self) -> list[int | None]:
-        return [self._beats.get(r, {}).get("pid") for r in range(self.world)]
 
     # the monitor
     def _watch(self) -> None:
@@ -317,8 +319,11 @@ class Ranks:
                 rank = min(errors)
                 return self._fail(f"rank {rank} failed: {errors[rank]['line']}", errors[rank])
             if all(self.channel.done(r) for r in range(self.world)):
-                self._report_steps()
                 self.results = self._load_results()
+                last = [r["losses"][-1] for r in self.results if r["losses"]]
+                done = max((len(r["losses"]) for r in self.results), default=0)
+                if done > self._reported_step:
+                    self.progress.step(done, self.spec.steps, last[0] if last else None)
                 self._done.set()
                 return
             self._report_steps()
@@ -360,8 +365,7 @@ class Ranks:
         if completed > self._reported_step:
             self._reported_step = completed
             losses = [b["loss"] for b in self._beats.values() if b.get("loss") is not None]
-            loss = f", loss {losses[0]:.6f}" if losses else ""
-            self.progress(f"ranks: step {completed}/{self.spec.steps} done{loss}")
+            self.progress.step(completed, self.spec.steps, losses[0] if losses else None)
 
     def _stall_message(self) -> str:
         t = self.spec.timeout_s
@@ -394,7 +398,7 @@ class Ranks:
                     f.write(error["traceback"])
         self.failure = message
         self.cancel(message)
-        if not self._waiting:
+        if not self._waiting and not self._closing:
             _interrupt_main()
 
     def _load_results(self) -> list[dict]:

@@ -5,37 +5,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import threading
 import time
 
-import torch
-
 from ppsplit import build, report
-from ppsplit.errors import CheckFailed, PpsplitError
+from ppsplit.report import Progress
+from ppsplit.errors import PpsplitError
 from ppsplit.job_spec import JobSpec, validate
 from ppsplit.plan import balance, stage_costs
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
-
-
-class Progress:
-    """One line per phase, with the seconds it took, flushed at once (a run shows it is alive)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.start = time.perf_counter()
-        self.marks: dict[str, float] = {}
-        self._last = self.start
-
-    def __call__(self, line: str) -> None:
-        if self.enabled:
-            print(f"[{time.perf_counter() - self.start:6.1f}s] {line}", flush=True)
-
-    def phase(self, name: str, line: str) -> None:
-        now = time.perf_counter()
-        self.marks[name] = now - self._last
-        self._last = now
-        self(f"{line} ({self.marks[name]:.1f} s)")
 
 
 def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) -> int:
@@ -65,6 +43,9 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         model = build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
     say.phase("build", f"built {m.class_name} ({'meta device' if meta else 'real weights'}, "
                        f"{build.count_tensor_params(model):,} parameters)")
+    if m.pretrained and m.config:
+        say(f"model.config over {m.pretrained}/config.json: "
+            + ", ".join(f"{k}={v!r}" for k, v in m.config.items()))
     loss_fn = build.loss_fn(m.loss)
     config = model.config
 
@@ -86,11 +67,6 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         resume = check_resumable(spec.checkpoint.load, model)
     say.phase("split", f"traced and split into {len(split)} stages at {', '.join(split.points) or '(none)'}")
 
-    handlers = None
-    if threading.current_thread() is threading.main_thread():
-        from ppsplit.dispatch import install_signal_handlers
-
-        handlers = install_signal_handlers()
     try:
         with contextlib.ExitStack() as stack:
             ranks = None
@@ -128,11 +104,6 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         if target:
             target.discard()
         raise
-    finally:
-        if handlers is not None:
-            from ppsplit.dispatch import restore_signal_handlers
-
-            restore_signal_handlers(handlers)
 
     data = {
         "model": m.name,
@@ -195,7 +166,8 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
         say(f"training {spec.steps} step(s) inline")
         pipelined = train_in_process(split, split.stages, batch_for, spec.steps, spec.microbatches,
                                      loss_fn, spec.optimizer, after_backward=ties.sum_grads,
-                                     load=(load, model, split.tie_groups) if load else None)
+                                     load=(load, model, split.tie_groups) if load else None,
+                                     on_step=lambda done, loss: say.step(done, spec.steps, loss))
         losses, first_grads, states = pipelined["losses"], pipelined["first_grads"], pipelined["state"]
         diverged = pipelined["diverged"]
         step_time = pipelined["step_time_s"]

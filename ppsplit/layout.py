@@ -19,7 +19,6 @@ A rank's stages keep the original FQNs, so the plans that are keyed by them appl
 
 from __future__ import annotations
 
-import copy
 import math
 import operator
 import re
@@ -29,7 +28,6 @@ import torch
 from torch import fx
 
 from ppsplit.errors import PpsplitError
-from ppsplit.job_spec import TP_STYLES  # noqa: F401 (the styles a plan may name)
 
 aten = torch.ops.aten
 

@@ -5,7 +5,67 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
+import time
+
+
+class Progress:
+    """What a run is doing, as it does it: one line per phase with the seconds it took, and the
+    steps with the last stage's loss (a bar on a terminal; in a log or under CI a line every
+    few seconds and at the end), so that a long run shows it is alive."""
+
+    PLAIN_EVERY_S = 2.0
+
+    def __init__(self, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.stream = stream
+        self.start = time.perf_counter()
+        self.marks: dict[str, float] = {}
+        self._last = self.start
+        self._bar = None
+        self._printed_at = 0.0
+
+    @property
+    def out(self):
+        return self.stream or sys.stdout
+
+    def __call__(self, line: str) -> None:
+        if self.enabled:
+            self._close_bar()
+            print(f"[{time.perf_counter() - self.start:6.1f}s] {line}", file=self.out, flush=True)
+
+    def phase(self, name: str, line: str) -> None:
+        now = time.perf_counter()
+        self.marks[name] = now - self._last
+        self._last = now
+        self(f"{line} ({self.marks[name]:.1f} s)")
+
+    def step(self, done: int, total: int, loss: float | None) -> None:
+        """``done`` of ``total`` steps finished; ``loss``: the last one's."""
+        if not self.enabled:
+            return
+        shown = "" if loss is None else f"loss {loss:.6f}"
+        if self.out.isatty() and not os.environ.get("CI"):
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc="steps", unit="step", file=self.out, leave=True)
+            self._bar.update(done - self._bar.n)
+            if shown:
+                self._bar.set_postfix_str(shown)
+            if done >= total:
+                self._close_bar()
+            return
+        now = time.perf_counter()
+        if done >= total or now - self._printed_at >= self.PLAIN_EVERY_S:
+            self._printed_at = now
+            self(f"step {done}/{total} done" + (f", {shown}" if shown else ""))
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def stage_rows(split, costs: dict) -> list[dict]:
@@ -56,6 +116,15 @@ def format_table(rows: list[dict]) -> str:
     def line(cells):
         return "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+SCHEMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.schema.json")
+
+
+def schema() -> dict:
+    """The JSON Schema every ``report.json`` follows (shipped in the package)."""
+    with open(SCHEMA) as f:
+        return json.load(f)
 
 
 def strict(value):

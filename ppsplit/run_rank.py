@@ -418,7 +418,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, optimizer_spec,
-                     after_backward=None, load: tuple | None = None) -> dict:
+                     after_backward=None, load: tuple | None = None, on_step=None) -> dict:
     """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as the
     schedules do: mean of the microbatch losses, then ``after_backward``, then one optimizer step.
     Stops at the first step with a non-finite loss or gradient (``diverged``).
@@ -461,6 +461,8 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         losses.append(loss)
+        if on_step is not None:
+            on_step(step - start_step + 1, loss)
     return {
         "losses": losses,
         "diverged": diverged,

@@ -50,6 +50,19 @@ def summary_row(point: Path) -> dict[str, Any]:
     return row
 
 
+def _md(column: str, value) -> str:
+    """summary.md's rounding: balances to 3 decimals, step time in ms to 1, differences in %.1e."""
+    if value == "" or value is None:
+        return ""
+    if column.startswith("balance_"):
+        return f"{float(value):.3f}"
+    if column == "step_time_s":
+        return f"{float(value) * 1e3:.1f} ms"
+    if column == "max_loss_rel_diff":
+        return f"{float(value):.1e}"
+    return str(value)
+
+
 def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
     sweep = Path(sweep_dir)
     rows = [summary_row(p) for p in point_dirs(sweep)]
@@ -59,7 +72,7 @@ def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = [str(row[c]).replace("|", "\\|") for c in COLUMNS]
+        cells = [_md(c, row[c]).replace("|", "\\|") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     (sweep / "summary.md").write_text("\n".join(lines) + "\n")
     plot(rows, sweep / "summary.png")
@@ -67,16 +80,19 @@ def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Stage FLOPs stacked per point; step time (where the ranks ran) on a second axis."""
+    """Per point: the stage FLOPs stacked, with the balance the strategies optimise (max/mean of
+    the stage FLOPs and parameters) written over each bar; the step time (where the ranks ran)
+    as points on an axis of its own from 0, in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-    labels = [f"{r['point']}\n{r['model']} {r['strategy']}\nS={r['stages']}" if r["model"] else
-              f"{r['point']}\n(error)" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 5.2))
+    labels = [f"{r['point']}\n{r['model']} {r['strategy']}\nS={r['stages']} {r.get('layout', '')}"
+              if r["model"] else f"{r['point']}\n(error)" for r in rows]
     labelled: set[int] = set()
+    tops = []
     for x, row in enumerate(rows):
         bottom = 0.0
         for i, flops in enumerate(row.get("stage_flops") or []):
@@ -84,16 +100,29 @@ def plot(rows: list[dict], path: Path) -> None:
                    label=None if i in labelled else f"stage {i}")
             labelled.add(i)
             bottom += flops / 1e9
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        tops.append(bottom)
+    top = max(tops, default=0) or 1.0
+    for x, row in enumerate(rows):
+        if row["balance_flops"] != "":
+            ax.text(x, tops[x] + 0.02 * top, f"flops {row['balance_flops']:.3f}\nparams {row['balance_params']:.3f}",
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, top * 1.25)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("stage forward+backward GFLOP (stacked)")
+    handles, names = ax.get_legend_handles_labels()
     times = [(x, r["step_time_s"]) for x, r in enumerate(rows) if r["step_time_s"] != ""]
     if times:
         ax2 = ax.twinx()
-        ax2.plot([t[0] for t in times], [t[1] * 1e3 for t in times], "ko-", label="step time")
-        ax2.set_ylabel("step time (ms)")
-    if any(r.get("stage_flops") for r in rows):
-        ax.legend(loc="upper left", fontsize=7)
-    ax.set_title("ppsplit sweep: stage costs per point")
+        ax2.plot([t[0] for t in times], [t[1] * 1e3 for t in times], "kD", linestyle="none",
+                 label="step time (ms)")
+        ax2.set_ylim(0, max(t[1] for t in times) * 1e3 * 1.25)
+        ax2.set_ylabel("step time (ms), slowest rank, median")
+        more, more_names = ax2.get_legend_handles_labels()
+        handles, names = handles + more, names + more_names
+    if handles:  # below the points' labels, clear of the bars and figures
+        ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(len(handles), 5),
+                  fontsize=7, frameon=False)
+    ax.set_title("ppsplit sweep: stage FLOPs and balance (max/mean) per point")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

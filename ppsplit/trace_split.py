@@ -111,7 +111,17 @@ def as_tuple(out) -> tuple:
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
     """Trace ``model`` without changing it (no patched ``forward``)."""
-    return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    try:
+        return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+    except Exception as err:
+        if "Cache" in str(err) and getattr(getattr(model, "config", None), "use_cache", False) \
+                and (kwargs or {}).get("use_cache") is not False:
+            # transformers returns a DynamicCache, which torch.export cannot carry out of a graph.
+            raise PpsplitError(
+                f"{type(model).__name__} has use_cache=True, and torch.export cannot trace the cache it "
+                "returns; allowed: the model built with use_cache=False, or kwargs={'use_cache': False}"
+            ) from None
+        raise
 
 
 def module_run_order(program: ExportedProgram) -> dict[str, int]:

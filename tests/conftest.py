@@ -35,6 +35,24 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+@pytest.fixture(autouse=True)
+def reports_follow_the_schema(tmp_path):
+    """Every report.json a test leaves under its tmp_path is valid against ppsplit's schema."""
+    yield
+    import glob
+    import json
+
+    import jsonschema
+
+    from ppsplit.report import schema
+
+    validator = jsonschema.Draft202012Validator(schema())
+    for path in glob.glob(os.path.join(str(tmp_path), "**", "report.json"), recursive=True):
+        with open(path) as f:
+            errors = sorted(validator.iter_errors(json.load(f)), key=str)
+        assert not errors, f"{path}: {errors[0].json_path}: {errors[0].message}"
+
+
 @pytest.fixture
 def cfg_for():
     """Compose the real configs with overrides, as the command line does."""

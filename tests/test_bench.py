@@ -122,3 +122,12 @@ def test_meta_memory(tmp_path):
         assert positive(side["ratio"]["ratio"]) and positive(side["peak_rss_bytes"]["ppsplit"])
     assert [g["layers"] for g in data["tracing_growth"]] == [2, 4]
     assert all(positive(r["stage_bytes"]) for r in data["ranks"]["per_rank"])
+
+
+def test_layouts(tmp_path):
+    data = run_quick("layouts", tmp_path)
+    for name in ("pp2", "pp2xdp2", "pp2xtp2"):
+        row = data["layouts"][name]
+        assert row["ok"] and positive(row["max_held_bytes"]) and row["max_loss_rel_diff"] <= 1e-5
+        check_sides(row, ("step",))
+    assert data["layouts"]["pp2xdp2"]["held_ratio"] < 0.75  # FSDP shards what each rank holds

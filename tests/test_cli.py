@@ -86,3 +86,21 @@ def test_pretrained_local_folder_loads_real_weights(tmp_path):
     loaded = build.build_model(s.class_name, pretrained=str(tmp_path / "gpt2"))
     ref = saved.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())
+
+
+def test_pretrained_takes_its_config_and_the_overrides_given_on_the_command_line(tmp_path):
+    from ppsplit import build
+    from ppsplit.job_spec import from_config
+
+    s = from_config(compose_cfg("model=gpt2")).model
+    saved = build.build_model(s.class_name, dict(s.config, n_layer=2), seed=5)
+    saved.save_pretrained(tmp_path / "gpt2")
+    given = ["model=gpt2", f"model.pretrained={tmp_path / 'gpt2'}", "+model.config.layer_norm_epsilon=0.001"]
+    spec = from_config(compose_cfg(*given), overrides=given)
+    assert spec.model.config == {"layer_norm_epsilon": 0.001}  # not the model file's n_layer: 4
+    loaded = build.build_model(spec.model.class_name, spec.model.config, spec.model.pretrained)
+    assert loaded.config.n_layer == 2 and loaded.config.layer_norm_epsilon == 0.001
+    proc = run_cli(*given[1:], "launcher=inline", "steps=1", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "model.config over" in proc.stdout and "layer_norm_epsilon=0.001" in proc.stdout
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["stages"] == 2

@@ -123,7 +123,6 @@ def test_a_checkpoint_moves_between_layouts_and_training_goes_on_as_if_uninterru
     losses, previous = [], None
     for i, layout in enumerate(chain):
         save = tmp_path / f"ckpt{i}"
-        last = i == len(chain) - 1
         data = checkpoint_step([f"model={model}", *layout, "checkpoint.hf=true"],
                                tmp_path / f"run{i}", load=previous, save=save, steps=steps)
         assert data["run"]["resumed_from"] == (None if previous is None else

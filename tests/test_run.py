@@ -10,7 +10,7 @@ import pytest
 
 from ppsplit import CheckFailed, PpsplitError
 from ppsplit.cli import run
-from ppsplit.dispatch import plan_ranks
+from ppsplit.job_spec import plan_ranks
 from conftest import run_cli
 from helpers import compose_cfg
 
