@@ -11,27 +11,24 @@ import torch
 import torch.nn.functional as F
 
 from ppsplit.errors import PpsplitError, nearest
+from ppsplit.job_spec import TASK_SUFFIXES, TASKS
 from ppsplit.stage_code import same_kind
 
-MODEL_CLASSES = (
-    "GPT2LMHeadModel",
-    "LlamaForCausalLM",
-    "BertForMaskedLM",
-    "T5ForConditionalGeneration",
-)
-INPUT_KINDS = ("causal_lm", "masked_lm", "seq2seq")
-LOSSES = ("causal_lm", "masked_lm", "seq2seq")
 IGNORE = -100  # label value the losses skip, as in transformers
 
 
 def model_class(name: str):
+    """The transformers model class called ``name`` (any with a task ppsplit trains, see
+    :data:`ppsplit.job_spec.TASK_SUFFIXES`)."""
     import transformers
 
-    cls = getattr(transformers, name, None) if name in MODEL_CLASSES else None
-    if cls is None:
+    suffixes = tuple(suffix for suffix, _ in TASK_SUFFIXES)
+    cls = getattr(transformers, name, None) if name.isidentifier() and name[0].isupper() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        known = [n for n in dir(transformers) if n.endswith(suffixes)]
         raise PpsplitError(
-            f"model.model_class={name!r} is not supported; allowed: {', '.join(MODEL_CLASSES)}"
-            f"{nearest(name, MODEL_CLASSES)}"
+            f"model.model_class={name!r} is not a transformers model class; allowed: a class named "
+            f"{', '.join('*' + s for s in suffixes)}{nearest(name, known)}"
         )
     return cls
 
@@ -144,13 +141,17 @@ def make_batch(
     call_kwargs: dict | None = None,
 ) -> Batch:
     """A deterministic batch for ``step``: random token ids from ``seed`` and ``step``."""
-    if kind not in INPUT_KINDS:
-        raise PpsplitError(f"model.inputs={kind!r} is not known; allowed: {', '.join(INPUT_KINDS)}")
+    if kind not in TASKS:
+        raise PpsplitError(f"model.inputs={kind!r} is not known; allowed: {', '.join(TASKS)}")
     cfg = getattr(model, "config", model)  # a model or its transformers config
-    vocab = cfg.vocab_size
     gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
     kwargs = dict(call_kwargs or {})
+    if kind == "image_classification":  # seq_len does not apply: images at the config's size
+        size = cfg.image_size[0] if isinstance(cfg.image_size, (list, tuple)) else cfg.image_size
+        pixels = torch.randn(batch_size, cfg.num_channels, size, size, generator=gen)
+        return Batch((pixels,), kwargs, torch.randint(0, cfg.num_labels, (batch_size,), generator=gen))
+    vocab = cfg.vocab_size
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
     if kind == "causal_lm":
         return Batch((ids,), kwargs, ids.clone())
     if kind == "masked_lm":
@@ -189,10 +190,15 @@ def token_loss(output, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+def class_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_of(output).float(), labels)
+
+
 def loss_fn(name: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    losses = {"causal_lm": causal_lm_loss, "masked_lm": token_loss, "seq2seq": token_loss}
+    losses = {"causal_lm": causal_lm_loss, "masked_lm": token_loss, "seq2seq": token_loss,
+              "image_classification": class_loss}
     if name not in losses:
-        raise PpsplitError(f"model.loss={name!r} is not known; allowed: {', '.join(LOSSES)}")
+        raise PpsplitError(f"model.loss={name!r} is not known; allowed: {', '.join(TASKS)}")
     return losses[name]
 
 

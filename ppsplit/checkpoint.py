@@ -13,6 +13,7 @@ A folder holding anything but a ppsplit checkpoint is never replaced.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -78,12 +79,12 @@ class Target:
         self.staging = os.path.join(parent, f".{os.path.basename(self.folder)}.partial-{token}")
         return self.staging
 
-    def commit(self, meta: dict, config=None) -> str:
+    def commit(self, meta: dict, config=None, architecture: str | None = None) -> str:
         """Move the finished checkpoint into place; returns its folder. With ``config``, its
-        ``hf/`` folder gets the model's ``config.json``."""
+        ``hf/`` folder gets the model's ``config.json`` (``architecture``: the model class)."""
         self.check()  # nothing appeared there meanwhile that we must not replace
         if config is not None and os.path.isdir(os.path.join(self.staging, "hf")):
-            finish_hf(os.path.join(self.staging, "hf"), config)
+            finish_hf(os.path.join(self.staging, "hf"), config, architecture)
         with open(os.path.join(self.staging, MARKER), "w") as f:
             json.dump({"format": FORMAT, "saved_at": time.time(), **meta}, f, indent=2)
         old = None
@@ -196,9 +197,13 @@ def save_hf(folder: str, modules: dict, tie_groups=()) -> None:
                                                             enable_consolidation=True))
 
 
-def finish_hf(folder: str, config) -> None:
-    """Make the safetensors the ranks wrote a ``save_pretrained`` folder: add ``config.json``,
-    drop the per-rank shards the consolidation read."""
+def finish_hf(folder: str, config, architecture: str | None = None) -> None:
+    """Make the safetensors the ranks wrote a ``save_pretrained`` folder: add ``config.json``
+    (naming ``architecture``, the model class, as ``save_pretrained`` does), drop the per-rank
+    shards the consolidation read."""
+    if architecture and not getattr(config, "architectures", None):
+        config = copy.deepcopy(config)
+        config.architectures = [architecture]
     config.save_pretrained(folder)
     shutil.rmtree(os.path.join(folder, "sharded"), ignore_errors=True)
 

@@ -96,7 +96,7 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         ok = fqn.ok and numerics_ok and (run is None or run["ok"])
         if target:
             if ok:
-                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume), config)
+                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume), config, m.class_name)
                 say(f"checkpoint: {run['checkpoint']}")
             else:
                 target.discard()

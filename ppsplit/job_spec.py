@@ -22,7 +22,18 @@ STRATEGIES = ("even", "manual", "layers", "params", "flops")
 LAUNCHERS = ("inline", "local", "slurm")
 CRASH_MODES = ("raise", "exit", "hang", "base")
 INITS = ("real", "meta", "auto")
-INPUT_KINDS = ("causal_lm", "masked_lm", "seq2seq")
+# What a model is trained on, from its task: the inputs ppsplit makes and the loss it takes
+# (model.inputs and model.loss; "auto" reads the task from the class name).
+TASKS = ("causal_lm", "masked_lm", "seq2seq", "image_classification")
+# transformers' class-name endings for each task ("auto" reads the task from them).
+TASK_SUFFIXES = (
+    ("ForCausalLM", "causal_lm"),
+    ("LMHeadModel", "causal_lm"),
+    ("ForMaskedLM", "masked_lm"),
+    ("ForConditionalGeneration", "seq2seq"),
+    ("ForSeq2SeqLM", "seq2seq"),
+    ("ForImageClassification", "image_classification"),
+)
 # transformers' tensor-parallel styles that ppsplit applies (ppsplit.layout maps them to torch's).
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicate")
 
@@ -341,15 +352,59 @@ def overridden_keys(overrides) -> set[str]:
     return keys
 
 
+def task_of(class_name: str) -> str:
+    """The task a transformers model class is trained for, from its name's ending."""
+    for suffix, task in TASK_SUFFIXES:
+        if class_name.endswith(suffix) and len(class_name) > len(suffix):
+            return task
+    from ppsplit import build  # a name that is not a model class at all is told so, with the nearest
+
+    build.model_class(class_name)
+    endings = ", ".join(f"*{suffix}" for suffix, _ in TASK_SUFFIXES)
+    raise PpsplitError(f"model.model_class={class_name!r} has no task ppsplit can train; allowed: a "
+                       f"transformers class named {endings} (or set model.inputs and model.loss)")
+
+
+def class_from_pretrained(folder: str) -> str:
+    """The model class named by ``architectures`` in ``folder``'s config.json."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            names = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as err:
+        raise PpsplitError(f"model.pretrained={folder!r}: its config.json cannot be read "
+                           f"({type(err).__name__}); give model.model_class") from None
+    if not names or not isinstance(names[0], str):
+        raise PpsplitError(f"model.pretrained={folder!r}: config.json names no architectures; "
+                           "give model.model_class")
+    return names[0]
+
+
 def _model_spec(cfg, overrides=None) -> ModelSpec:
     name = _text("model.name", _get(cfg, "model.name"), optional=False)
-    class_name = _text("model.model_class", _get(cfg, "model.model_class"), optional=False)
+    class_name = _text("model.model_class", _get(cfg, "model.model_class"))
     config = _mapping("model.config", _get(cfg, "model.config"))
     pretrained = _text("model.pretrained", _get(cfg, "model.pretrained"))
     if pretrained is not None:
         pretrained = os.path.abspath(os.path.expanduser(pretrained))
         given = overridden_keys(overrides)
         config = {k: v for k, v in config.items() if f"model.config.{k}" in given}
+    if class_name is None:
+        if pretrained is None:
+            raise PpsplitError(f"model={name} needs model.model_class (a transformers class, e.g. "
+                               "model.model_class=Qwen2ForCausalLM) or model.pretrained=DIR")
+        class_name = class_from_pretrained(pretrained)
+    inputs = _choice("model.inputs", _get(cfg, "model.inputs", "auto") or "auto", ("auto",) + TASKS)
+    loss = _choice("model.loss", _get(cfg, "model.loss", "auto") or "auto", ("auto",) + TASKS)
+    inputs = task_of(class_name) if inputs == "auto" else inputs
+    loss = task_of(class_name) if loss == "auto" else loss
+    call_kwargs = _get(cfg, "model.call_kwargs")
+    if call_kwargs is None:  # tuples out; and no cache, which torch.export cannot carry
+        call_kwargs = {"return_dict": False}
+        if inputs in ("causal_lm", "seq2seq"):
+            call_kwargs["use_cache"] = False
     tp_plan = _get(cfg, "model.tp_plan")
     if tp_plan is not None:
         tp_plan = _mapping("model.tp_plan", tp_plan)
@@ -361,9 +416,9 @@ def _model_spec(cfg, overrides=None) -> ModelSpec:
         config=config,
         pretrained=pretrained,
         init=_choice("model.init", _get(cfg, "model.init", "auto") or "auto", INITS),
-        inputs=_choice("model.inputs", _get(cfg, "model.inputs"), INPUT_KINDS),
-        loss=_choice("model.loss", _get(cfg, "model.loss"), INPUT_KINDS),
-        call_kwargs=_mapping("model.call_kwargs", _get(cfg, "model.call_kwargs")),
+        inputs=inputs,
+        loss=loss,
+        call_kwargs=_mapping("model.call_kwargs", call_kwargs),
         tp_plan=tp_plan,
     )
 
@@ -536,9 +591,20 @@ def check_model(spec: JobSpec) -> Any:
         raise PpsplitError(
             f"seq_len={spec.seq_len} is beyond the model's max_position_embeddings={positions}; "
             f"allowed: 1 to {positions} (or raise the model's positions)")
-    vocab = getattr(config, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < 2:
-        raise PpsplitError(f"model.config.vocab_size={vocab!r}: allowed: an integer >= 2")
+    if m.inputs == "seq2seq" and not getattr(config, "is_encoder_decoder", False):
+        raise PpsplitError(f"model.model_class={m.class_name!r} is not an encoder-decoder, so it cannot "
+                           "take model.inputs=seq2seq; allowed: causal_lm, masked_lm or image_classification")
+    if m.inputs == "image_classification":
+        for key in ("image_size", "num_channels", "num_labels"):
+            value = getattr(config, key, None)
+            value = value[0] if isinstance(value, (list, tuple)) and value else value
+            if not isinstance(value, int) or value < 1:
+                raise PpsplitError(f"model.config.{key}={value!r}: image classification needs it; "
+                                   "allowed: a positive integer")
+    else:
+        vocab = getattr(config, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 2:
+            raise PpsplitError(f"model.config.vocab_size={vocab!r}: allowed: an integer >= 2")
     if spec.parallel.tp > 1:
         _check_heads(config, spec.parallel.tp)
     return config

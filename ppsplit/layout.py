@@ -510,5 +510,6 @@ def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | No
         flows = flows or check_tensor_parallel(split, model, plan, tp)
         apply_tensor_parallel(stage, model, flows[index], mesh["tp"])
     if mesh["dp"].size() > 1 and fsdp:
-        apply_fsdp(stage, [b for b in split.blocks if b in split.stage_modules[index]], mesh["dp"])
+        blocks = dict.fromkeys(b.partition("@")[0] for b in split.stage_blocks()[index])  # a shared layer once
+        apply_fsdp(stage, list(blocks), mesh["dp"])
     return stage

@@ -71,8 +71,7 @@ class Progress:
 def stage_rows(split, costs: dict) -> list[dict]:
     """One row per stage: where it begins, its blocks, parameters, FLOPs and state_dict keys."""
     rows = []
-    for index, keys in enumerate(split.stage_keys):
-        blocks = [b for b in split.blocks if b in split.stage_modules[index]]
+    for index, (keys, blocks) in enumerate(zip(split.stage_keys, split.stage_blocks())):
         rows.append({
             "index": index,
             "begins_at": split.points[index - 1] if index else None,
@@ -93,7 +92,12 @@ def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tole
              format_table(rows),
              f"balance (max/mean): params {balance_of['params']:.3f}, flops {balance_of['flops']:.3f}"]
     for group in fqn.tied:
-        lines.append(f"tied: {' = '.join(group['keys'])}  (stages {', '.join(map(str, group['stages']))})")
+        if len(group["keys"]) > 1:
+            lines.append(f"tied: {' = '.join(group['keys'])}  (stages {', '.join(map(str, group['stages']))})")
+    shared = [g for g in fqn.tied if len(g["keys"]) == 1]
+    if shared:  # one layer run in several stages (ALBERT): its keys, once
+        lines.append(f"shared: {len(shared)} keys under {_common_module([g['keys'][0] for g in shared])}  "
+                     f"(stages {', '.join(map(str, sorted({s for g in shared for s in g['stages']})))})")
     lines.append(f"FQN check: {'passed' if fqn.ok else 'FAILED'}: {fqn.original_keys} original keys"
                  + "".join(f"\n  {p}" for p in fqn.problems()))
     if numerics is None:
@@ -173,15 +177,35 @@ def format_run(run: dict) -> str:
     if run["reference_losses"] is not None:
         lines.append("  reference: " + ", ".join(f"{x:.6f}" for x in run["reference_losses"]))
     for tie in run["ties"]:
-        distance = ("" if tie["max_abs_diff_vs_reference"] is None else
-                    f", {tie['max_abs_diff_vs_reference']:.1e} from the unsplit model")
+        if len(tie["keys"]) > 1:
+            distance = ("" if tie["max_abs_diff_vs_reference"] is None else
+                        f", {tie['max_abs_diff_vs_reference']:.1e} from the unsplit model")
+            lines.append(
+                f"  tied {tie['keys'][0]}: {tie['copies']} names held, "
+                f"{'bitwise equal' if tie['copies_bitwise_equal'] else 'DIFFERENT'}{distance}"
+            )
+    shared = [t for t in run["ties"] if len(t["keys"]) == 1]
+    if shared:
+        equal = all(t["copies_bitwise_equal"] for t in shared)
+        distances = [t["max_abs_diff_vs_reference"] for t in shared if t["max_abs_diff_vs_reference"] is not None]
         lines.append(
-            f"  tied {tie['keys'][0]}: {tie['copies']} names held, "
-            f"{'bitwise equal' if tie['copies_bitwise_equal'] else 'DIFFERENT'}{distance}"
-        )
+            f"  shared {_common_module([t['keys'][0] for t in shared])} ({len(shared)} keys): copies "
+            f"{'bitwise equal' if equal else 'DIFFERENT'}"
+            + (f", at most {max(distances):.1e} from the unsplit model" if distances else ""))
     if run.get("step_time_s") is not None:
         lines.append(f"  step time (median after the first): {run['step_time_s'] * 1e3:.1f} ms")
     return "\n".join(lines)
+
+
+def _common_module(keys: list[str]) -> str:
+    """The deepest module that holds all of ``keys``."""
+    parts = [k.split(".")[:-1] for k in keys]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common) or "(the model)"
 
 
 def diverged_message(d: dict, steps: int | None = None) -> str:

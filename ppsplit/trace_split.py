@@ -16,6 +16,7 @@ the activations already sent.
 from __future__ import annotations
 
 import bisect
+import inspect
 import warnings
 import operator
 from dataclasses import dataclass, field
@@ -61,21 +62,51 @@ class Split:
     _input_leaves: list[int] = field(repr=False, default_factory=list)
     _out_spec: pytree.TreeSpec = field(repr=False, default=None)
     _out_leaves: list[tuple[str, Any]] = field(repr=False, default_factory=list)
+    _signature: inspect.Signature | None = field(repr=False, default=None)  # the model's forward's
 
     def __len__(self) -> int:
         return len(self.stages)
 
     def flat_inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-        """The tensors stage 0 takes, from the model's own (args, kwargs)."""
+        """The tensors stage 0 takes, from the model's own (args, kwargs). Arguments passed
+        otherwise than traced (by position instead of by name, or the reverse) are bound by the
+        model's ``forward`` signature."""
         order = self._in_spec.children()[1].context
-        if set(kwargs) != set(order):
-            raise PpsplitError(
-                f"keyword arguments {sorted(kwargs)} differ from the traced ones {sorted(order)}"
-            )
+        if set(kwargs) != set(order) or len(args) != self._in_spec.children()[0].num_children:
+            args, kwargs = self._rearrange(tuple(args), dict(kwargs))
         leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in order}))
         if spec != self._in_spec:
             raise PpsplitError("inputs do not have the structure of the traced example inputs")
         return tuple(leaves[i] for i in self._input_leaves)
+
+    def _rearrange(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args``/``kwargs`` arranged as the trace took them: the first n parameters of
+        ``forward`` by position, the traced keywords by name."""
+        order = list(self._in_spec.children()[1].context)
+        n = self._in_spec.children()[0].num_children
+        traced = f"{n} positional argument(s) and keywords {order}"
+        if self._signature is None:
+            raise PpsplitError(f"arguments {len(args)} positional and keywords {sorted(kwargs)} "
+                               f"differ from the traced {traced}")
+        try:
+            bound = self._signature.bind(*args, **kwargs).arguments
+        except TypeError as err:
+            raise PpsplitError(f"the arguments do not fit the model's forward: {err}") from None
+        var_kw = next((p.name for p in self._signature.parameters.values()
+                       if p.kind == inspect.Parameter.VAR_KEYWORD), None)
+        given = {k: v for k, v in bound.items() if k != var_kw}
+        given.update(bound.get(var_kw, {}) if var_kw else {})
+        positional = [p.name for p in self._signature.parameters.values()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)][:n]
+        wanted = positional + order
+        missing = [k for k in wanted if k not in given]
+        extra = sorted(set(given) - set(wanted))
+        if len(positional) < n or missing or extra:
+            raise PpsplitError(f"arguments {sorted(given)} differ from the traced {traced}"
+                               + (f": missing {missing}" if missing else "")
+                               + (f": not traced {extra}" if extra else ""))
+        return tuple(given[k] for k in positional), {k: given[k] for k in order}
 
     def model_outputs(self, values: Sequence[torch.Tensor]):
         """The last stage's outputs rebuilt into the structure the model returns."""
@@ -97,6 +128,12 @@ class Split:
         ins = tuple(meta(n, index > 0) for n in self.stage_inputs[index])
         outs = tuple(meta(n, True) for n in self.stage_outputs[index])
         return ins, outs
+
+    def stage_blocks(self) -> list[list[str]]:
+        """The blocks each stage runs (a shared layer's calls as ``FQN@K``)."""
+        order = module_run_order(self.program)
+        return [[b for b in self.blocks if bisect.bisect_right(self.positions, order[b]) == s]
+                for s in range(len(self.stages))]
 
     def __call__(self, *args, **kwargs):
         values = self.flat_inputs(args, kwargs)
@@ -125,41 +162,73 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> E
 
 
 def module_run_order(program: ExportedProgram) -> dict[str, int]:
-    """Each module FQN that runs, mapped to the index of its first operation in the graph."""
+    """Each module FQN that runs, mapped to the index of its first operation in the graph; a
+    module that runs more than once also has ``FQN@K`` for its K-th later call (K from 1)."""
     first: dict[str, int] = {}
     for i, node in enumerate(program.graph.nodes):
         if node.op != "call_function":
             continue
-        for path, _ in node.meta.get("nn_module_stack", {}).values():
+        for key, (path, _) in node.meta.get("nn_module_stack", {}).items():
             first.setdefault(path, i)
+            call = key.rpartition("@")[2] if "@" in key else ""
+            if call.isdigit() and int(call) > 0:
+                first.setdefault(f"{path}@{call}", i)
     return first
+
+
+def _repeated_calls(run_order: dict[str, int]) -> list[str]:
+    """The calls of the outermost modules that run more than once (ALBERT's shared layer), as
+    blocks: ``FQN``, ``FQN@1``, ... in run order."""
+    repeated = sorted({name.rpartition("@")[0] for name in run_order if "@" in name})
+    outer = [m for m in repeated if m and not any(m.startswith(o + ".") for o in repeated if o)]
+    calls = [name for name in run_order if name in outer or name.rpartition("@")[0] in outer]
+    return sorted(calls, key=run_order.__getitem__)
+
+
+BLOCK_LISTS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 def find_blocks(model: torch.nn.Module, run_order: dict[str, int] | None = None) -> list[str]:
     """The model's repeated blocks, in the order they run (without ``run_order``: every block
     the structure holds, in definition order, an upper bound known before tracing).
 
-    A block list is an ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one
-    class that sits inside no other block list: ``transformer.h``, ``model.layers``,
-    ``bert.encoder.layer``, and T5's ``encoder.block`` then ``decoder.block``.
+    A block list is an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` of two or more
+    children of one class that sits inside no other block list: ``transformer.h``,
+    ``model.layers``, ``bert.encoder.layer``, T5's ``encoder.block`` then ``decoder.block``, a
+    torchtitan-style ``layers`` dict. A model with no block list may hold its blocks as named
+    attributes: then two or more sibling modules of one class that have submodules of their own
+    (``block0``, ``block1``, ...), the outermost such. Failing both, with ``run_order``, the calls
+    of a module that runs several times (ALBERT's one shared layer) are the blocks.
     """
-    containers = []
+    found: list[str] = []
+
+    def inside(name: str) -> bool:
+        return any(name == b or name.startswith(b + ".") for b in found)
+
+    def join(parent: str, child: str) -> str:
+        return f"{parent}.{child}" if parent else child
+
     for name, mod in model.named_modules():
-        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) or len(mod) < 2:
-            continue
-        if len({type(c) for c in mod.children()}) != 1:
-            continue
-        if any(name.startswith(c + ".") for c in containers):
-            continue
-        containers.append(name)
-    blocks = [
-        f"{c}.{i}" if c else str(i)
-        for c in containers
-        for i in range(len(model.get_submodule(c)))
-    ]
+        kids = list(mod.named_children())
+        if (isinstance(mod, BLOCK_LISTS) and len(kids) >= 2 and len({type(c) for _, c in kids}) == 1
+                and not inside(name)):
+            found += [join(name, k) for k, _ in kids]
+    if not found:
+        for name, mod in model.named_modules():
+            if inside(name):
+                continue
+            by_class: dict[type, list[str]] = {}
+            for k, child in mod.named_children():
+                if next(child.children(), None) is not None and not isinstance(child, BLOCK_LISTS):
+                    by_class.setdefault(type(child), []).append(join(name, k))
+            for names in by_class.values():
+                if len(names) >= 2:
+                    found += names
     if run_order is None:
-        return blocks
-    blocks = [b for b in blocks if b in run_order]
+        return found
+    blocks = [b for b in found if b in run_order]
+    if not blocks:  # one module run several times: its calls are the blocks
+        return _repeated_calls(run_order)
     return sorted(blocks, key=run_order.__getitem__)
 
 
@@ -170,14 +239,19 @@ def unit_starts(program: ExportedProgram, run_order: dict[str, int], blocks: Seq
     own. Of modules that begin at the same op, the outermost is named."""
     if not blocks:
         return []
-    last = blocks[-1]
+    last, _, call = blocks[-1].partition("@")  # a block may be a later call, ``FQN@K``
+
+    def in_last(key: str, path: str) -> bool:
+        if call:  # that call of the module: its own key (each call's ops carry it)
+            return path == last and key.rpartition("@")[2] == call
+        return path == last or path.startswith(last + ".")
+
     end = max(
         i for i, node in enumerate(program.graph.nodes)
         if node.op == "call_function"
-        and any(path == last or path.startswith(last + ".")
-                for path, _ in node.meta.get("nn_module_stack", {}).values())
+        and any(in_last(key, path) for key, (path, _) in node.meta.get("nn_module_stack", {}).items())
     )
-    after = sorted((i, len(name), name) for name, i in run_order.items() if name and i > end)
+    after = sorted((i, len(name), name) for name, i in run_order.items() if name and "@" not in name and i > end)
     return list(blocks) + [after[0][2]] if after else list(blocks)
 
 
@@ -186,6 +260,12 @@ def even_points(blocks: Sequence[str], stages: int) -> list[str]:
     remainder, since the last stage also carries the head and the loss)."""
     if stages < 1:
         raise PpsplitError(f"stages={stages}: must be at least 1")
+    if not blocks and stages > 1:
+        raise PpsplitError(
+            f"stages={stages}: the model shows no repeated blocks to split between (no ModuleList, "
+            "Sequential or ModuleDict of two or more modules of one class, nor sibling modules of one "
+            "class); allowed: split points by module FQN (split=manual split.points=[...], or points=)"
+        )
     if stages > len(blocks):
         raise PpsplitError(
             f"stages={stages}: more stages than the model's {len(blocks)} blocks; "
@@ -205,23 +285,64 @@ def tie_groups(model: torch.nn.Module) -> list[list[str]]:
     return [keys for keys in by_id.values() if len(keys) > 1]
 
 
+MARKER = "pipe_split"  # points "pipe_split:K": the K-th pipe_split() call in forward
+END = ":end"  # a point "MODULE:end" begins a stage right after MODULE (torch's SplitPoint.END)
+
+
+def markers(program: ExportedProgram) -> list[int]:
+    """Graph positions of the ``torch.distributed.pipelining.pipe_split()`` calls in forward."""
+    target = getattr(getattr(getattr(torch.ops, "pippy", None), "_pipe_split", None), "default", None)
+    return [i for i, node in enumerate(program.graph.nodes)
+            if node.op == "call_function" and target is not None and node.target is target]
+
+
+def _module_end(program: ExportedProgram, module: str) -> int:
+    """The graph position just after the last operation of ``module``."""
+    return 1 + max(
+        i for i, node in enumerate(program.graph.nodes)
+        if node.op == "call_function"
+        and any(path == module or path.startswith(module + ".")
+                for path, _ in node.meta.get("nn_module_stack", {}).values())
+    )
+
+
 def _point_positions(
-    model: torch.nn.Module, points: Sequence[str], run_order: dict[str, int]
+    model: torch.nn.Module, points: Sequence[str], run_order: dict[str, int],
+    program: ExportedProgram,
 ) -> list[int]:
+    """Where each point begins a stage: a module FQN (at its first operation), ``MODULE:end``
+    (after its last), or ``pipe_split:K`` (at the K-th marker)."""
     modules = dict(model.named_modules())
+    marks = markers(program)
     positions = []
     for point in points:
-        if not isinstance(point, str) or point not in modules or point == "":
+        if isinstance(point, str) and point.startswith(MARKER + ":"):
+            k = point[len(MARKER) + 1:]
+            if not (k.isdigit() and int(k) < len(marks)):
+                raise PpsplitError(
+                    f"split point {point!r}: forward calls pipe_split() {len(marks)} time(s); "
+                    f"allowed: {', '.join(f'{MARKER}:{i}' for i in range(len(marks))) or 'no marker points'}")
+            positions.append(marks[int(k)])
+            continue
+        module = point[:-len(END)] if isinstance(point, str) and point.endswith(END) else point
+        if isinstance(module, str) and module != point and f"{module}@1" in run_order | {module: 0}:
+            raise PpsplitError(f"split point {point!r}: {module.partition('@')[0]!r} runs more than once; "
+                               f"allowed: one of its calls, where a stage begins ({module.partition('@')[0]}@1, ...)")
+        if isinstance(module, str) and module in run_order and "@" in module:
+            positions.append(run_order[module])  # the K-th call of a module that runs several times
+            continue
+        if not isinstance(module, str) or module not in modules or module == "":
             raise PpsplitError(
                 f"split point {point!r} is not a module of {type(model).__name__}"
-                f"{nearest(str(point), [m for m in modules if m])}"
+                f"{nearest(str(module), [m for m in modules if m])} (a module FQN, "
+                f"MODULE{END} to begin after it, or {MARKER}:K)"
             )
-        if point not in run_order:
+        if module not in run_order:
             raise PpsplitError(
                 f"split point {point!r} never runs in forward; "
-                f"allowed: modules that run{nearest(point, run_order)}"
+                f"allowed: modules that run{nearest(module, run_order)}"
             )
-        positions.append(run_order[point])
+        positions.append(_module_end(program, module) if module != point else run_order[module])
     for i, (a, b) in enumerate(zip(points, points[1:])):
         if a == b:
             raise PpsplitError(f"split point {a!r} is repeated; each stage begins once")
@@ -267,7 +388,9 @@ def split(
 ) -> Split:
     """Cut ``model`` into pipeline stages whose FQNs are the original's.
 
-    Give ``points`` (module FQNs where a stage begins), or ``stages`` and a ``strategy`` over the
+    Give ``points`` (module FQNs where a stage begins; ``MODULE:end`` begins one right after a
+    module, ``pipe_split:K`` at the K-th ``pipe_split()`` call in forward; with neither points nor
+    stages, every ``pipe_split()`` call is a point), or ``stages`` and a ``strategy`` over the
     model's repeated blocks: ``even`` (equal block counts), ``layers`` (``layers=[3, 4, 4, 3]``,
     or ``first_stage_less``/``last_stage_less``), ``params`` or ``flops`` (minimise the largest
     stage's parameters or forward+backward FLOPs at the traced shapes times ``microbatches``;
@@ -279,8 +402,6 @@ def split(
 
     if points is not None and (stages is not None or layers):
         raise PpsplitError("give either points= (module FQNs) or stages=/layers=, not both")
-    if points is None and stages is None and not layers:
-        raise PpsplitError("give stages= (with a strategy) or points= (module FQNs where stages begin)")
     allowed = [name for name in plan.STRATEGIES if name != "manual"]  # manual: give points=
     if points is None and strategy not in allowed:
         raise PpsplitError(
@@ -290,7 +411,14 @@ def split(
     program = program if program is not None else export(model, args, kwargs)
     run_order = module_run_order(program)
     blocks = find_blocks(model, run_order)
-    if points is None:
+    chosen = "manual"
+    if points is None and stages is None and not layers:  # the pipe_split() calls in forward
+        points = [f"{MARKER}:{k}" for k in range(len(markers(program)))]
+        if not points:
+            raise PpsplitError("give stages= (with a strategy) or points= (module FQNs where stages "
+                               "begin), or call torch.distributed.pipelining.pipe_split() in forward")
+        chosen = "markers"
+    elif points is None:
         if strategy == "layers":
             sizes = plan.layer_sizes(len(blocks), stages, layers, first_stage_less, last_stage_less)
             points = plan.points_from_sizes(blocks, sizes)
@@ -302,14 +430,12 @@ def split(
             costs = plan.unit_costs(model, program, units, run_order, microbatches)[strategy]
             points = plan.points_from_sizes(units, plan.linear_partition(costs, stages))
         chosen = strategy
-    else:
-        chosen = "manual"
     points = list(points)
-    positions = _point_positions(model, points, run_order)
+    positions = _point_positions(model, points, run_order, program)
     result = _build_split(model, program, points, positions, blocks)
     result.strategy = chosen
-    for index, stage in enumerate(result.stages):
-        if not any(True for _ in stage.parameters()) and not any(b in result.stage_modules[index] for b in blocks):
+    for index, (stage, runs) in enumerate(zip(result.stages, result.stage_blocks())):
+        if not any(True for _ in stage.parameters()) and not runs:
             where = "before the first split point" if index == 0 else f"from {points[index - 1]!r}"
             raise PpsplitError(
                 f"split points {points}: stage {index} ({where}) holds no parameter and no block; "
@@ -393,7 +519,7 @@ def _build_split(model, program, points, positions, blocks) -> Split:
         stages=stages,
         points=list(points),
         stage_keys=stage_keys,
-        tie_groups=tie_groups(model),
+        tie_groups=_shared_keys(model, stage_keys),
         stage_inputs=[[n.name for n in ins] for ins in stage_in],
         stage_outputs=[[n.name for n in outs] for outs in stage_out],
         program=program,
@@ -407,7 +533,46 @@ def _build_split(model, program, points, positions, blocks) -> Split:
             ("value", out_pos[leaf]) if isinstance(leaf, fx.Node) else ("const", leaf)
             for leaf in out_leaves_nodes
         ],
+        _signature=_forward_signature(model),
     )
+
+
+def _forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _renumber_calls(graph: fx.Graph) -> None:
+    """Number each module's calls from this stage's first (``nn_module_stack`` keys ``PATH@K``):
+    a stage that begins at the third call of a shared layer runs it as its own first call, so
+    unflatten gives the stage the module under its original FQN, not a copy named ``...@2``."""
+    seen: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack or node.op != "call_function":  # a stage input keeps its producer's
+            continue
+        renamed = {}
+        for key, value in stack.items():
+            base, at, call = key.rpartition("@")
+            if not (at and call.isdigit()):
+                base, call = key, "0"
+            calls = seen.setdefault(base, [])
+            if call not in calls:
+                calls.append(call)
+            k = calls.index(call)
+            renamed[f"{base}@{k}" if k else base] = value
+        node.meta["nn_module_stack"] = renamed  # a new dict: the traced program's stays as it was
+
+
+def _shared_keys(model: torch.nn.Module, stage_keys: list[list[str]]) -> list[list[str]]:
+    """The tie groups, and each key that several stages hold under its own name (a layer that
+    runs in several stages, as ALBERT's): its copies are kept in step like a tie's."""
+    groups = tie_groups(model)
+    grouped = {k for g in groups for k in g}
+    held = [set(keys) for keys in stage_keys]
+    return groups + [[k] for k in model.state_dict() if k not in grouped and sum(k in h for h in held) > 1]
 
 
 def _tensor_input_leaves(sig: ExportGraphSignature) -> list[int]:
@@ -482,20 +647,23 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
                 constants[target] = meta_of(named[target]) if target in named else program.constants[target]
         elif spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
             constants[target] = program.constants[target]
+        # fx may rename a placeholder (a name like ``input`` shadows a builtin): the specs name
+        # the placeholder as created
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
         input_specs.append(
-            InputSpec(kind=spec.kind, arg=TensorArgument(node.name), target=target,
+            InputSpec(kind=spec.kind, arg=TensorArgument(env[node].name), target=target,
                       persistent=spec.persistent)
         )
     for node in inputs:
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
-        input_specs.append(InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(node.name),
+        input_specs.append(InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(env[node].name),
                                      target=None))
     for node in nodes:
         if stage_of.get(node) == s:
             env[node] = graph.node_copy(node, env.__getitem__)
+    _renumber_calls(graph)
     out_vals = [env[v] for v in outputs]
     graph.output(tuple(out_vals))
     output_specs = [
@@ -508,7 +676,7 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
         ModuleCallEntry(
             "",
             ModuleCallSignature(
-                inputs=[TensorArgument(n.name) for n in inputs],
+                inputs=[TensorArgument(env[n].name) for n in inputs],
                 outputs=[TensorArgument(v.name) for v in out_vals],
                 in_spec=in_spec,
                 out_spec=out_spec,

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ppsplit.trace_split import Split, tie_groups
+from ppsplit.trace_split import Split
 
 
 @dataclass
@@ -47,7 +47,7 @@ def verify_fqns(model: torch.nn.Module, split: Split, check_values: bool = True)
     """
     original = model.state_dict(keep_vars=True)
     stage_sds = [stage.state_dict(keep_vars=True) for stage in split.stages]
-    groups = tie_groups(model)
+    groups = split.tie_groups  # the model's ties, and keys several stages hold (a shared layer)
     tied_keys = {k for g in groups for k in g}
 
     holders: dict[str, list[int]] = {}

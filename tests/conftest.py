@@ -8,11 +8,12 @@ from hydra import compose, initialize_config_dir
 from ppsplit.cli import CONF_DIR
 
 MODELS = ("gpt2", "llama", "bert", "t5")
+MORE_MODELS = ("qwen2_moe", "bart", "vit", "albert")  # more families, configured like the four
 LAUNCHERS = ("inline", "local", "slurm")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--model", choices=MODELS, default=None,
+    parser.addoption("--model", choices=MODELS + MORE_MODELS, default=None,
                      help="run only the model-parametrized tests of this model (the CI matrix)")
     parser.addoption("--launcher", choices=LAUNCHERS, default=None,
                      help="run only the launcher-parametrized tests of this launcher")

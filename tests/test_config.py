@@ -11,12 +11,16 @@ GROUPS = {
     for group in sorted(os.listdir(CONF_DIR)) if os.path.isdir(os.path.join(CONF_DIR, group))
 }
 OPTIONS = [(g, o) for g, opts in GROUPS.items() for o in opts]
-EXTRA = {("split", "manual"): ["split.points=[transformer.h.2]"]}
+TINY_QWEN2 = ["model.model_class=Qwen2ForCausalLM", "+model.config.num_hidden_layers=2",
+              "+model.config.hidden_size=32", "+model.config.intermediate_size=64",
+              "+model.config.num_attention_heads=2", "+model.config.num_key_value_heads=1",
+              "+model.config.vocab_size=500"]
+EXTRA = {("split", "manual"): ["split.points=[transformer.h.2]"], ("model", "hf"): TINY_QWEN2}
 
 
 def test_groups_are_the_documented_ones():
     assert {"model", "split", "schedule", "launcher"} <= set(GROUPS)
-    assert {"gpt2", "llama", "bert", "t5"} <= set(GROUPS["model"])
+    assert {"gpt2", "llama", "bert", "t5", "hf", "qwen2_moe", "bart", "vit", "albert"} <= set(GROUPS["model"])
     assert {"even", "manual"} <= set(GROUPS["split"])
     assert {"gpipe", "1f1b"} <= set(GROUPS["schedule"])
     assert "inline" in GROUPS["launcher"]
@@ -36,7 +40,7 @@ def test_model_option_builds_tiny_model(cfg_for, option):
     from ppsplit import build
     from ppsplit.job_spec import from_config
 
-    s = from_config(cfg_for(f"model={option}")).model
+    s = from_config(cfg_for(f"model={option}", *EXTRA.get(("model", option), []))).model
     model = build.build_model(s.class_name, s.config, None, seed=0)
     assert type(model).__name__ == s.class_name
     assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny: the suite stays fast

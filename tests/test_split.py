@@ -11,7 +11,7 @@ import ppsplit
 from ppsplit.cli import run
 from helpers import compose_cfg, model_and_batch
 
-BLOCKS = {"gpt2": 4, "llama": 4, "bert": 4, "t5": 8}
+BLOCKS = {"gpt2": 4, "llama": 4, "bert": 4, "t5": 8, "qwen2_moe": 4, "bart": 4, "vit": 4, "albert": 4}
 CASES = [(m, s) for m in BLOCKS for s in (2, 4, "per_block")]
 
 
