@@ -94,4 +94,10 @@ def test_the_sample_output_is_what_the_command_prints(tmp_path):
                   "PASSED" in body)
     proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert normalise(proc.stdout) == normalise(sample)
+    got, shown = normalise(proc.stdout), normalise(sample)
+    # The driver checks the split while the ranks train, so the ranks' step lines may come
+    # before or after its check line: the same lines, and in the same order apart from that.
+    assert sorted(got) == sorted(shown)
+    steps = re.compile(r"\[T\] (step \d+/\d+ done|ranks finished)")
+    assert [l for l in got if not steps.match(l)] == [l for l in shown if not steps.match(l)]
+    assert [l for l in got if steps.match(l)] == [l for l in shown if steps.match(l)]
