@@ -25,6 +25,7 @@ def assert_exact(data, ranks):
         assert tie["copies_bitwise_equal"], tie
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MORE_MODELS)
 def test_more_families_run_on_two_ranks(tmp_path, model):
     out = run_cli(f"model={model}", "stages=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -34,6 +35,7 @@ def test_more_families_run_on_two_ranks(tmp_path, model):
     assert_exact(data, ranks=2)
 
 
+@pytest.mark.slow
 def test_any_class_from_the_command_line(tmp_path):
     out = run_cli("model=hf", *TINY_QWEN2, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -108,6 +110,7 @@ def test_a_shared_layer_splits_between_its_calls():
         ppsplit.split(net, args, kwargs, points=[f"{SHARED}:end"])
 
 
+@pytest.mark.slow
 def test_a_shared_layer_stays_in_step_across_ranks_under_adamw(tmp_path):
     out = run_cli("model=albert", "stages=4", "optimizer=adamw", "tie_tolerance=1e-5",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -121,6 +124,7 @@ def test_a_shared_layer_stays_in_step_across_ranks_under_adamw(tmp_path):
     assert f"shared {SHARED}.albert_layers.0 (16 keys): copies bitwise equal" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_trained_hf_folder_runs_again_by_its_path_alone(tmp_path):
     out = run_cli("model=vit", "launcher=inline", "checkpoint.save=true", "checkpoint.hf=true",
                   f"hydra.run.dir={tmp_path / 'train'}", cwd=tmp_path)
