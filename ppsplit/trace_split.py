@@ -239,18 +239,7 @@ def unit_starts(program: ExportedProgram, run_order: dict[str, int], blocks: Seq
     own. Of modules that begin at the same op, the outermost is named."""
     if not blocks:
         return []
-    last, _, call = blocks[-1].partition("@")  # a block may be a later call, ``FQN@K``
-
-    def in_last(key: str, path: str) -> bool:
-        if call:  # that call of the module: its own key (each call's ops carry it)
-            return path == last and key.rpartition("@")[2] == call
-        return path == last or path.startswith(last + ".")
-
-    end = max(
-        i for i, node in enumerate(program.graph.nodes)
-        if node.op == "call_function"
-        and any(in_last(key, path) for key, (path, _) in node.meta.get("nn_module_stack", {}).items())
-    )
+    end = _module_end(program, blocks[-1]) - 1
     after = sorted((i, len(name), name) for name, i in run_order.items() if name and "@" not in name and i > end)
     return list(blocks) + [after[0][2]] if after else list(blocks)
 
@@ -297,12 +286,19 @@ def markers(program: ExportedProgram) -> list[int]:
 
 
 def _module_end(program: ExportedProgram, module: str) -> int:
-    """The graph position just after the last operation of ``module``."""
+    """The graph position just after the last operation of ``module``, or of one call of it
+    (``FQN@K``: the ops that carry that call's own stack key)."""
+    path_of, _, call = module.partition("@")
+
+    def inside(key: str, path: str) -> bool:
+        if call:
+            return path == path_of and key.rpartition("@")[2] == call
+        return path == module or path.startswith(module + ".")
+
     return 1 + max(
         i for i, node in enumerate(program.graph.nodes)
         if node.op == "call_function"
-        and any(path == module or path.startswith(module + ".")
-                for path, _ in node.meta.get("nn_module_stack", {}).values())
+        and any(inside(key, path) for key, (path, _) in node.meta.get("nn_module_stack", {}).items())
     )
 
 
@@ -325,9 +321,10 @@ def _point_positions(
             positions.append(marks[int(k)])
             continue
         module = point[:-len(END)] if isinstance(point, str) and point.endswith(END) else point
-        if isinstance(module, str) and module != point and f"{module}@1" in run_order | {module: 0}:
-            raise PpsplitError(f"split point {point!r}: {module.partition('@')[0]!r} runs more than once; "
-                               f"allowed: one of its calls, where a stage begins ({module.partition('@')[0]}@1, ...)")
+        base = module.partition("@")[0] if isinstance(module, str) else module
+        if module != point and f"{base}@1" in run_order:  # the end of which call is ambiguous
+            raise PpsplitError(f"split point {point!r}: {base!r} runs more than once; "
+                               f"allowed: one of its calls, where a stage begins ({base}@1, ...)")
         if isinstance(module, str) and module in run_order and "@" in module:
             positions.append(run_order[module])  # the K-th call of a module that runs several times
             continue

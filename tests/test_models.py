@@ -106,8 +106,9 @@ def test_a_shared_layer_splits_between_its_calls():
         assert ppsplit.verify_fqns(net, split).ok
         numerics = ppsplit.verify_numerics(net, split, mbs, loss_fn)
         assert numerics.ok(1e-6), numerics
-    with pytest.raises(ppsplit.PpsplitError, match="runs more than once"):
-        ppsplit.split(net, args, kwargs, points=[f"{SHARED}:end"])
+    for end in (f"{SHARED}:end", f"{SHARED}@2:end"):  # the end of which call: refused
+        with pytest.raises(ppsplit.PpsplitError, match="runs more than once"):
+            ppsplit.split(net, args, kwargs, points=[end])
 
 
 @pytest.mark.slow
