@@ -151,7 +151,7 @@ class RunGuard(Callback):
             if spec.launcher.name == "slurm" and spec.steps > 0:
                 from ppsplit.dispatch import check_slurm_controller
 
-                check_slurm_controller()
+                check_slurm_controller(spec.launcher.partition, spec.launcher.nodes)
         except PpsplitError as err:
             print(f"ppsplit: error: {err}", file=sys.stderr)
             sys.exit(2)
@@ -168,7 +168,10 @@ class RunGuard(Callback):
             from ppsplit.dispatch import check_slurm_controller
 
             try:
-                check_slurm_controller()
+                partition, nodes = (OmegaConf.select(config, f"launcher.{k}") for k in ("partition", "nodes"))
+                # Each point checks its own values again when it starts; here only the plain ones.
+                check_slurm_controller(partition if isinstance(partition, str) else None,
+                                       nodes if isinstance(nodes, int) else 1)
             except PpsplitError as err:
                 print(f"ppsplit: error: {err}", file=sys.stderr)
                 sys.exit(2)

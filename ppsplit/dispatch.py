@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -183,20 +184,46 @@ def _outside_any_job():
         os.environ.update(saved)
 
 
-def check_slurm_controller(timeout_s: float = 10.0) -> None:
-    """Refuse ``launcher=slurm`` at once when no SLURM controller answers."""
+def check_slurm_controller(partition: str | None = None, nodes: int = 1, timeout_s: float = 10.0) -> None:
+    """Refuse ``launcher=slurm`` at once when no SLURM controller answers, when the partition
+    does not exist, or when it has fewer nodes than ``launcher.nodes`` (such a job would wait
+    in the queue for ever)."""
     hint = "start one with launchers/slurm/up.sh, or use launcher=local"
-    try:
-        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise PpsplitError(f"launcher=slurm: SLURM's client commands are not installed; {hint}") from None
-    except subprocess.TimeoutExpired:
-        raise PpsplitError(f"launcher=slurm: no SLURM controller answered within {timeout_s:g} s; {hint}") from None
+
+    def scontrol(*args: str) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout_s,
+                                  stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise PpsplitError(f"launcher=slurm: SLURM's client commands are not installed; {hint}") from None
+        except subprocess.TimeoutExpired:
+            raise PpsplitError(f"launcher=slurm: no SLURM controller answered within {timeout_s:g} s; {hint}") from None
+
+    proc = scontrol("ping")
     if proc.returncode != 0 or " is UP" not in proc.stdout:
         said = (proc.stdout + proc.stderr).strip().splitlines()
         raise PpsplitError(f"launcher=slurm: no SLURM controller answers (scontrol ping: "
                            f"{said[-1] if said else 'no answer'}); {hint}")
+    partitions = {}  # name: (total nodes, default)
+    for line in scontrol("show", "partition", "-o").stdout.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "PartitionName" in fields:
+            partitions[fields["PartitionName"]] = (int(fields.get("TotalNodes", "0") or 0),
+                                                   fields.get("Default") == "YES")
+    if not partitions:
+        return  # the controller did not list them; sbatch will say what is wrong
+    listed = ", ".join(f"{name} ({n} node{'s' if n != 1 else ''})" for name, (n, _) in partitions.items())
+    if partition is None:
+        partition = next((name for name, (_, default) in partitions.items() if default), None)
+        if partition is None:
+            raise PpsplitError(f"launcher.partition=null: the cluster has no default partition; allowed: {listed}")
+    elif partition not in partitions:
+        raise PpsplitError(f"launcher.partition={partition}: no such partition; allowed: {listed}")
+    total = partitions[partition][0]
+    if nodes > total:
+        bigger = [f"launcher.partition={name}" for name, (n, _) in partitions.items() if n >= nodes]
+        raise PpsplitError(f"launcher.nodes={nodes}: partition {partition} has {total} node{'s' if total != 1 else ''}; "
+                           f"allowed: 1 to {total}" + (f", or {' or '.join(bigger)}" if bigger else ""))
 
 
 # --- the ranks of one run ------------------------------------------------------------------
@@ -221,12 +248,13 @@ class Ranks:
         self._thread: threading.Thread | None = None
         self._beats: dict[int, dict] = {}
         self._reported_step = 0
+        self._placed = False
 
     # lifecycle
     def start(self, payload: dict) -> "Ranks":
         os.makedirs(self.folder, exist_ok=True)
         launcher = self.spec.launcher
-        host = "127.0.0.1" if launcher.name == "local" else _driver_host()
+        host = "127.0.0.1" if launcher.name == "local" else driver_address(launcher.driver_host)
         token = new_token()
         self.channel = DriverChannel(host, launcher.port, token)
         launch_file = os.path.join(self.folder, "launch.pkl")
@@ -326,6 +354,7 @@ class Ranks:
                     self.progress.step(done, self.spec.steps, last[0] if last else None)
                 self._done.set()
                 return
+            self._report_placement()
             self._report_steps()
             state = self.backend.state() if isinstance(self.backend, SlurmJob) else "RUNNING"
             progress = tuple(self._beats.get(r, {}).get("progress") for r in range(self.world))
@@ -356,6 +385,19 @@ class Ranks:
                 dead[rank] = (f"stopped answering: no heartbeat for {now - beat['seen']:.0f} s (the process "
                               f"was killed, or its node {beat.get('host', '?')} went away)")
         return dead
+
+    def _report_placement(self) -> None:
+        """Once every rank has reported, a line naming each node and its ranks (when they span
+        more than one)."""
+        if self._placed or len(self._beats) < self.world:
+            return
+        self._placed = True
+        nodes: dict[str, list[int]] = {}
+        for rank in range(self.world):
+            nodes.setdefault(self._beats[rank].get("host", "?"), []).append(rank)
+        if len(nodes) > 1:
+            self.progress(f"ranks on {len(nodes)} nodes: " + "; ".join(
+                f"{host}: rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for host, rs in nodes.items()))
 
     def _report_steps(self) -> None:
         """A line each time every rank has finished one more step, with the last stage's loss."""
@@ -437,11 +479,45 @@ def _describe_exit(status: int) -> str:
     return f"exited with status {status} without reporting an error"
 
 
-def _driver_host() -> str:
-    """Where SLURM ranks reach the driver: its host name (it must resolve on every node)."""
+def driver_address(setting: str = "auto") -> str:
+    """Where SLURM ranks reach the driver. ``auto``: this machine's own address on its route to
+    the SLURM controller (127.0.0.1 for a controller on loopback; on a cluster, the address the
+    login node has on the cluster's network), found without sending anything. Anything else is
+    taken as given: a name or an address that every node resolves to this machine."""
     import socket
 
-    return os.environ.get("PPSPLIT_DRIVER_HOST") or socket.gethostname()
+    if setting != "auto":
+        return setting
+    controller = _controller_address()
+    if controller is None:
+        return socket.gethostname()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(controller)  # UDP: picks the route and the source address, sends nothing
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+def _controller_address() -> tuple[str, int] | None:
+    """The SLURM controller's address and port, from ``scontrol show config``."""
+    import socket
+
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    host = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out, re.M)
+    port = re.search(r"^SlurmctldPort\s*=\s*(\d+)", out, re.M)
+    if host is None:
+        return None
+    address = host.group(2) or host.group(1)
+    try:
+        address = socket.gethostbyname(address)
+    except OSError:
+        return None
+    return address, int(port.group(1)) if port else 6817
 
 
 def install_signal_handlers() -> dict:

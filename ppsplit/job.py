@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import socket
 import time
 
 from ppsplit import build, report
@@ -28,7 +29,7 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
     if spec.launcher.name == "slurm" and spec.steps > 0:
         from ppsplit.dispatch import check_slurm_controller
 
-        check_slurm_controller()
+        check_slurm_controller(spec.launcher.partition, spec.launcher.nodes)
 
     started_at = time.time()
     init = build.resolve_init(m.init, m.class_name, m.config, m.pretrained)
@@ -242,7 +243,17 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
         "tie_comm_groups": results[0]["tie_comm_groups"] if results else [],
         "rank_layout": rank_report,
         "rank_pids": [r["pid"] for r in results] if results else [],
+        "driver_host": socket.gethostname(),
+        "nodes": _nodes(results or []),
     }
+
+
+def _nodes(results: list[dict]) -> dict[str, list[int]]:
+    """Each node's host name and the ranks that ran there, in rank order."""
+    out: dict[str, list[int]] = {}
+    for r in sorted(results, key=lambda r: r["rank"]):
+        out.setdefault(r["host"], []).append(r["rank"])
+    return out
 
 
 def _merge_diverged(seen: list[dict]) -> dict | None:

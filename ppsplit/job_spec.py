@@ -86,6 +86,7 @@ class LauncherSpec:
     tasks_per_node: int | None = None
     gpus_per_task: int | None = None
     additional_parameters: dict = field(default_factory=dict)
+    driver_host: str = "auto"  # where SLURM ranks reach the driver; auto: see dispatch.driver_address
 
 
 @dataclass(frozen=True)
@@ -464,6 +465,7 @@ def _launcher_spec(cfg) -> LauncherSpec:
         gpus_per_task=_opt_int("launcher.gpus_per_task", _get(cfg, "launcher.gpus_per_task"), 0),
         additional_parameters=_mapping("launcher.additional_parameters",
                                        _get(cfg, "launcher.additional_parameters")),
+        driver_host=_text("launcher.driver_host", _get(cfg, "launcher.driver_host", "auto")) or "auto",
     )
 
 

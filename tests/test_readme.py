@@ -50,13 +50,16 @@ def needs(body: str) -> list:
     marks = [pytest.mark.slow]
     if "launcher=slurm" in body:
         marks.append(pytest.mark.slurm)
+    if "launcher.nodes=2" in body:
+        marks.append(pytest.mark.slurm_nodes)
     return marks
 
 
 @pytest.mark.parametrize("body", [pytest.param(b, marks=needs(b), id=f"line{n}") for b, n in SHELL])
 def test_shell_block_runs_as_written(tmp_path, body):
     if "launcher=slurm" in body:
-        subprocess.run(["bash", os.path.join(ROOT, "launchers", "slurm", "up.sh")], check=True,
+        nodes = ["--nodes", "2"] if "launcher.nodes=2" in body else []
+        subprocess.run(["bash", os.path.join(ROOT, "launchers", "slurm", "up.sh"), *nodes], check=True,
                        capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
     for command in commands(body):  # in one folder: a later line may read what an earlier wrote
         proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True,

@@ -4,6 +4,8 @@ set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=common.sh
 . "$HERE/common.sh"
+nodes_arg "$@"
+[ "$NODES" = 1 ] || exec bash "$HERE/multinode.sh" status "$NODES"
 
 up=1
 for d in $DAEMONS; do

@@ -7,6 +7,7 @@ export DEBIAN_FRONTEND=noninteractive
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=common.sh
 . "$HERE/common.sh"
+nodes_arg "$@"
 
 [ "$(id -u)" = 0 ] || die "must run as root"
 T0=$(date +%s)
@@ -83,6 +84,12 @@ install_pkgs() {
     restore_policy; trap - EXIT INT TERM
     say "packages installed in $(( $(date +%s) - t ))s"
 }
+
+if [ "$NODES" != 1 ]; then
+    mkdir -p "$D"
+    command -v slurmctld >/dev/null 2>&1 && [ -z "$(missing_pkgs)" ] || install_pkgs
+    exec bash "$HERE/multinode.sh" up "$NODES"
+fi
 
 # ---------------------------------------------------------------- fast path
 all_up() {
@@ -253,13 +260,7 @@ if ! daemon_pid mariadb >/dev/null; then
     if [ -S "$MYSQL_SOCK" ] && mariadb --no-defaults --socket="$MYSQL_SOCK" -e 'select 1' >/dev/null 2>&1; then
         die "a MariaDB server this script did not start already listens on $MYSQL_SOCK"
     fi
-    if [ ! -d "$D/mysql/mysql" ]; then
-        say "initialising MariaDB data dir $D/mysql"
-        rm -rf "$D/mysql"; mkdir -p "$D/mysql"; chown mysql:mysql "$D/mysql"
-        mariadb-install-db --no-defaults --user=mysql --datadir="$D/mysql" \
-            --auth-root-authentication-method=socket --skip-test-db \
-            >"$LOGS/mariadb-install.log" 2>&1 || die "mariadb-install-db failed (see $LOGS/mariadb-install.log)"
-    fi
+    init_mariadb_datadir
     # mariadbd drops to the mysql user: its socket/pid dir and log must be writable.
     mkdir -p "$MYSQL_SOCK_DIR"; chown mysql:mysql "$MYSQL_SOCK_DIR"; rm -f "$MYSQL_SOCK"
     touch "$LOGS/mariadb.log"; chown mysql:mysql "$LOGS/mariadb.log"
