@@ -97,7 +97,12 @@ def test_the_sample_output_is_what_the_command_prints(tmp_path):
                   "PASSED" in body)
     proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    got, shown = normalise(proc.stdout), normalise(sample)
+    # A step line prints every 2 s and at the end: how many come before the last depends on
+    # the machine's speed, so only the last is compared.
+    def settled(lines):
+        return [l for l in lines if not re.match(r"\[T\] step (\d+)/(?!\1 )\d+ done", l)]
+
+    got, shown = settled(normalise(proc.stdout)), settled(normalise(sample))
     # The driver checks the split while the ranks train, so the ranks' step lines may come
     # before or after its check line: the same lines, and in the same order apart from that.
     assert sorted(got) == sorted(shown)

@@ -155,7 +155,8 @@ start_controller() {  # name command
 network_up() {
     local n ns addr
     if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
-        if ip -4 route show | grep -q "^$NET\.0/24"; then
+        local routes; routes=$(ip -4 route show)  # (grep -q in a pipe under pipefail can fail on SIGPIPE)
+        if grep -q "^$NET\.0/24" <<<"$routes"; then
             die "$NET.0/24 is already routed on this machine; set PPSPLIT_SLURM_NODES_NET to a free 10.x.y"
         fi
         ip link add "$BRIDGE" type bridge
@@ -170,7 +171,8 @@ network_up() {
             ip link set "$(veth "$n")" master "$BRIDGE" up
         fi
         ip -n "$ns" link set lo up
-        ip -n "$ns" addr show dev eth0 | grep -q "inet $addr/" || ip -n "$ns" addr add "$addr/24" dev eth0
+        local have; have=$(ip -n "$ns" addr show dev eth0)
+        grep -q "inet $addr/" <<<"$have" || ip -n "$ns" addr add "$addr/24" dev eth0
         ip -n "$ns" link set eth0 up
     done
 }
