@@ -13,8 +13,8 @@ import time
 import traceback
 
 # In the order they run; the slow, multi-process one last.
-BENCHMARKS = ("split_time", "stage_overhead", "tied_memory", "balance", "meta_memory", "pipeline_efficiency",
-              "layouts")
+BENCHMARKS = ("split_time", "stage_overhead", "dynamic_shapes", "tied_memory", "balance", "meta_memory",
+              "pipeline_efficiency", "layouts")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
     config = model.config
 
     def batch_for(step):
-        return build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len, spec.seed,
+        return build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len_at(step), spec.seed,
                                 step=step, call_kwargs=m.call_kwargs)
 
     microbatches = batch_for(0).microbatches(spec.microbatches * spec.parallel.dp)
@@ -66,7 +66,8 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         from ppsplit.checkpoint import check_resumable
 
         resume = check_resumable(spec.checkpoint.load, model)
-    say.phase("split", f"traced and split into {len(split)} stages at {', '.join(split.points) or '(none)'}")
+    sizes = f" for sequence lengths {spec.dynamic['seq'][0]} to {spec.dynamic['seq'][1]}" if spec.dynamic else ""
+    say.phase("split", f"traced and split into {len(split)} stages at {', '.join(split.points) or '(none)'}{sizes}")
 
     try:
         with contextlib.ExitStack() as stack:
@@ -141,6 +142,7 @@ def checkpoint_meta(spec: JobSpec, split, resume: dict | None = None) -> dict:
         "step": step,
         "resumed_from": resume,
         "data": {"seed": spec.seed, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+                 "seq_lens": list(spec.seq_lens),
                  "microbatches": spec.microbatches, "next_step": step},
         "optimizer": spec.optimizer,
         "layout": {"stages": len(split), "split_points": split.points, "schedule": spec.schedule,
@@ -243,6 +245,7 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
         "tie_comm_groups": results[0]["tie_comm_groups"] if results else [],
         "rank_layout": rank_report,
         "rank_pids": [r["pid"] for r in results] if results else [],
+        "seq_lens": [spec.seq_len_at(step) for step in range(spec.steps)],
         "driver_host": socket.gethostname(),
         "nodes": _nodes(results or []),
     }

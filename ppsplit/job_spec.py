@@ -141,6 +141,7 @@ class JobSpec:
     tolerance: float
     tie_tolerance: float
     timeout_s: float
+    seq_lens: tuple[int, ...] = ()  # per-step sequence lengths, cycled; () : every step at seq_len
 
     @property
     def plan(self) -> RankPlan:
@@ -154,13 +155,23 @@ class JobSpec:
     def distributed(self) -> bool:
         return self.launcher.name != "inline"
 
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of step ``step`` (counted from 0)."""
+        return self.seq_lens[step % len(self.seq_lens)] if self.seq_lens else self.seq_len
+
+    @property
+    def dynamic(self) -> dict[str, tuple[int, int]] | None:
+        """The sizes the split must serve, when the steps' sequence lengths differ."""
+        if len(set(self.seq_lens)) > 1:
+            return {"seq": (min(self.seq_lens), max(self.seq_lens))}
+        return None
+
     @property
     def local_batch_size(self) -> int:
         """The samples of one step that each data-parallel rank runs."""
         return self.batch_size // self.parallel.dp
 
-    def split_kwargs(self) -> dict:
-        """The keyword arguments of :func:`ppsplit.split` this job's split takes."""
+    def _strategy_kwargs(self) -> dict:
         sp = self.split
         if sp.strategy == "manual":
             return {"points": list(sp.points)}
@@ -169,6 +180,10 @@ class JobSpec:
                     "stages": None if sp.layers else self.stages,
                     "first_stage_less": sp.first_stage_less, "last_stage_less": sp.last_stage_less}
         return {"strategy": sp.strategy, "stages": self.stages, "microbatches": self.microbatches}
+
+    def split_kwargs(self) -> dict:
+        """The keyword arguments of :func:`ppsplit.split` this job's split takes."""
+        return {**self._strategy_kwargs(), **({"dynamic": self.dynamic} if self.dynamic else {})}
 
     def with_model(self, **changes) -> "JobSpec":
         return replace(self, model=replace(self.model, **changes))
@@ -262,6 +277,14 @@ def from_config(cfg, overrides=None) -> JobSpec:
     microbatches = _int("microbatches", _get(cfg, "microbatches"), 1)
     batch_size = _int("batch_size", _get(cfg, "batch_size"), 1)
     seq_len = _int("seq_len", _get(cfg, "seq_len"), 1)
+    seq_lens = _get(cfg, "seq_lens")
+    if seq_lens is not None:
+        if not isinstance(seq_lens, list) or not seq_lens:
+            raise PpsplitError(f"seq_lens={seq_lens!r}: allowed: a list of sequence lengths, e.g. [32,64], or null")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 2 for x in seq_lens):
+            raise PpsplitError(f"seq_lens={list(seq_lens)}: allowed: integers >= 2, e.g. [32,64]")
+        seq_lens = tuple(seq_lens)
+        seq_len = seq_lens[0]  # the example the split is traced at
     seed = _int("seed", _get(cfg, "seed"), 0)
     steps = _int("steps", _get(cfg, "steps"), 0)
     tolerance = _number("tolerance", _get(cfg, "tolerance"))
@@ -296,7 +319,7 @@ def from_config(cfg, overrides=None) -> JobSpec:
                    launcher=launcher, optimizer=optimizer, parallel=parallel, checkpoint=checkpoint,
                    debug=debug, stages=stages, microbatches=microbatches, batch_size=batch_size,
                    seq_len=seq_len, seed=seed, steps=steps, tolerance=tolerance,
-                   tie_tolerance=tie_tolerance, timeout_s=timeout_s)
+                   tie_tolerance=tie_tolerance, timeout_s=timeout_s, seq_lens=seq_lens or ())
     if spec.steps == 0 and checkpoint.save:
         raise PpsplitError("checkpoint.save=true with steps=0: nothing is trained; allowed: steps >= 1")
     if checkpoint.hf and not checkpoint.save:
@@ -589,10 +612,18 @@ def check_model(spec: JobSpec) -> Any:
         raise PpsplitError(f"model.config: {m.class_name} refuses it: {build._first_line(err)}") from None
     _check_stage_count(spec, model)
     positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and spec.seq_len > positions:
+    if isinstance(positions, int) and max(spec.seq_lens or (spec.seq_len,)) > positions:
+        key = f"seq_lens={list(spec.seq_lens)}" if spec.seq_lens else f"seq_len={spec.seq_len}"
         raise PpsplitError(
-            f"seq_len={spec.seq_len} is beyond the model's max_position_embeddings={positions}; "
-            f"allowed: 1 to {positions} (or raise the model's positions)")
+            f"{key} is beyond the model's max_position_embeddings={positions}; "
+            f"allowed: {2 if spec.seq_lens else 1} to {positions} (or raise the model's positions)")
+    if spec.dynamic and m.inputs == "image_classification":
+        raise PpsplitError(f"seq_lens={list(spec.seq_lens)}: {m.class_name} takes images, which have no "
+                           "sequence length; allowed: null")
+    if spec.dynamic and spec.parallel.tp > 1:
+        raise PpsplitError(f"seq_lens={list(spec.seq_lens)} with parallel.tp={spec.parallel.tp}: tensor "
+                           "parallelism rewrites the traced view sizes, which are fixed; allowed: "
+                           "parallel.tp=1 with seq_lens, or one sequence length")
     if m.inputs == "seq2seq" and not getattr(config, "is_encoder_decoder", False):
         raise PpsplitError(f"model.model_class={m.class_name!r} is not an encoder-decoder, so it cannot "
                            "take model.inputs=seq2seq; allowed: causal_lm, masked_lm or image_classification")

@@ -30,8 +30,14 @@ LOSS_FLOPS_PER_LOGIT = 6
 BACKWARD_FACTOR = 2
 
 
+def _int(size) -> int:
+    """A size as an int; of a size that varies (a dynamic trace's), its traced value. (``int()``
+    of it would instead specialise the trace to that value.)"""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
 def _numel(shape) -> int:
-    return int(reduce(operator.mul, [int(s) for s in shape], 1))
+    return int(reduce(operator.mul, [_int(s) for s in shape], 1))
 
 
 def _val(x):
@@ -40,7 +46,8 @@ def _val(x):
 
 def node_forward_flops(node: torch.fx.Node) -> int:
     """Forward FLOPs of one graph op: matmul-class ops counted exactly from their shapes; other
-    ops (elementwise, norms, gathers) are memory-bound and count as zero."""
+    ops (elementwise, norms, gathers) are memory-bound and count as zero. After a dynamic trace
+    the sizes are the example's."""
     if node.op != "call_function":
         return 0
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
@@ -48,14 +55,14 @@ def node_forward_flops(node: torch.fx.Node) -> int:
     out = node.meta.get("val")
     try:
         if name in ("linear", "matmul", "mm", "bmm") and isinstance(out, torch.Tensor):
-            return 2 * out.numel() * int(args[0].shape[-1])
+            return 2 * _numel(out.shape) * _int(args[0].shape[-1])
         if name in ("addmm", "baddbmm") and isinstance(out, torch.Tensor):
-            return 2 * out.numel() * int(args[1].shape[-1])
+            return 2 * _numel(out.shape) * _int(args[1].shape[-1])
         if name == "scaled_dot_product_attention":
             q, k, v = args[:3]
-            lq, lk = int(q.shape[-2]), int(k.shape[-2])
+            lq, lk = _int(q.shape[-2]), _int(k.shape[-2])
             batch_heads = _numel(q.shape[:-2])
-            return 2 * batch_heads * lq * lk * (int(q.shape[-1]) + int(v.shape[-1]))
+            return 2 * batch_heads * lq * lk * (_int(q.shape[-1]) + _int(v.shape[-1]))
     except (AttributeError, IndexError, TypeError):
         return 0
     return 0
@@ -99,7 +106,7 @@ def _logits_numel(program) -> int:
     out = list(program.graph.nodes)[-1].args[0]
     first = out[0] if isinstance(out, (tuple, list)) and out else out
     val = _val(first)
-    return val.numel() if isinstance(val, torch.Tensor) else 0
+    return _numel(val.shape) if isinstance(val, torch.Tensor) else 0
 
 
 def linear_partition(costs: Sequence[float], parts: int) -> list[int]:

@@ -138,7 +138,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
 
     def batch_for(step):
         """This data-parallel rank's part of step ``step``'s batch."""
-        batch = build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len, spec.seed,
+        batch = build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len_at(step), spec.seed,
                                  step=step, call_kwargs=m.call_kwargs)
         return batch.shard(dp_rank, layout.dp)
 
@@ -175,24 +175,32 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         # Stage outputs go over the wire, and gloo sends only contiguous tensors (T5's and
         # BERT's masks are expanded views). A hook keeps the stage's FQNs untouched.
         module.register_forward_hook(_contiguous_outputs)
-    pipe_stages = []
-    for i in mine:
-        ins, outs = split.stage_io_meta(i)
-        if flows is not None:  # a value that crosses stages sharded travels as this rank's shard
-            ins = tuple(lay.local_shape(t, s, layout.tp) for t, s in zip(ins, flows[i].inputs))
-            outs = tuple(lay.local_shape(t, s, layout.tp) for t, s in zip(outs, flows[i].outputs))
-        pipe_stages.append(pipelining.PipelineStage(
-            modules[i], i, n_stages, device,
-            input_args=ins,
-            output_args=outs[0] if len(outs) == 1 else outs,
-            group=pp_group,
-        ))
     schedule_cls = getattr(pipelining, SCHEDULES[spec.schedule][0])
-    schedule = schedule_cls(
-        pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
-        n_microbatches=spec.microbatches,
-        loss_fn=loss_fn,
-    )
+
+    def schedule_for(sizes: dict | None):
+        """The stages of this rank and their schedule, for one shape of microbatch: PipelineStage
+        fixes its send and receive buffers, so each sequence length gets its own (over the same
+        modules)."""
+        pipe_stages = []
+        for i in mine:
+            ins, outs = split.stage_io_meta(i, sizes)
+            if flows is not None:  # a value that crosses stages sharded travels as this rank's shard
+                ins = tuple(lay.local_shape(t, s, layout.tp) for t, s in zip(ins, flows[i].inputs))
+                outs = tuple(lay.local_shape(t, s, layout.tp) for t, s in zip(outs, flows[i].outputs))
+            pipe_stages.append(pipelining.PipelineStage(
+                modules[i], i, n_stages, device,
+                input_args=ins,
+                output_args=outs[0] if len(outs) == 1 else outs,
+                group=pp_group,
+            ))
+        return schedule_cls(
+            pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
+            n_microbatches=spec.microbatches,
+            loss_fn=loss_fn,
+        )
+
+    schedules = {length: schedule_for({"seq": length} if spec.dynamic else None)
+                 for length in dict.fromkeys(spec.seq_lens or (spec.seq_len,))}
     channel.report("synchronising tied weights")
     ties = TieSync(split.tie_groups, split.stage_keys, modules, rank_of_stage, rank, layout)
     optimizers = {i: build.make_optimizer(spec.optimizer, modules[i].parameters()) for i in mine}
@@ -217,7 +225,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
             kwargs = {"target": batch.labels.to(device), "losses": mb_losses}
         dist.barrier()
         start = time.perf_counter()
-        schedule.step(*(a.to(device) for a in args), **kwargs)
+        schedules[spec.seq_len_at(step)].step(*(a.to(device) for a in args), **kwargs)
         if replicas is not None:
             average_grads(modules, replicas, layout.dp)
         ties.sum_grads()

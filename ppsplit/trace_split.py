@@ -16,6 +16,8 @@ the activations already sent.
 from __future__ import annotations
 
 import bisect
+import copy
+import functools
 import inspect
 import warnings
 import operator
@@ -63,6 +65,7 @@ class Split:
     _out_spec: pytree.TreeSpec = field(repr=False, default=None)
     _out_leaves: list[tuple[str, Any]] = field(repr=False, default_factory=list)
     _signature: inspect.Signature | None = field(repr=False, default=None)  # the model's forward's
+    _bound: dict = field(repr=False, default_factory=dict)  # keyword constants bound at a dynamic trace
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -71,6 +74,10 @@ class Split:
         """The tensors stage 0 takes, from the model's own (args, kwargs). Arguments passed
         otherwise than traced (by position instead of by name, or the reverse) are bound by the
         model's ``forward`` signature."""
+        kwargs = dict(kwargs)
+        for key, value in self._bound.items():  # traced as part of the call: given, or implied
+            if key in kwargs and kwargs.pop(key) != value:
+                raise PpsplitError(f"{key}: this split was traced with {key}={value!r}; allowed: that value")
         order = self._in_spec.children()[1].context
         if set(kwargs) != set(order) or len(args) != self._in_spec.children()[0].num_children:
             args, kwargs = self._rearrange(tuple(args), dict(kwargs))
@@ -113,21 +120,50 @@ class Split:
         leaves = [values[v] if kind == "value" else v for kind, v in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_spec)
 
-    def stage_io_meta(self, index: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def stage_io_meta(self, index: int, sizes: dict[str, int] | None = None
+                      ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Meta tensors shaped like stage ``index``'s inputs and outputs, from the trace.
 
         Handed to ``PipelineStage`` so it need not run the stage on empty tensors to learn the
-        shapes (garbage token ids in a relayed input would index out of range)."""
+        shapes (garbage token ids in a relayed input would index out of range). After a dynamic
+        trace, ``sizes`` (``{"batch": 4, "seq": 64}``) gives the sizes to shape them for; a size
+        not given is the example's."""
         vals = {n.name: n.meta.get("val") for n in self.program.graph.nodes}
+        symbols = self.size_symbols()
+        given = {symbols[k]: v for k, v in (sizes or {}).items() if k in symbols}
+
+        def dim(size):
+            if not isinstance(size, torch.SymInt):
+                return int(size)
+            expr = size.node.expr.xreplace(given)
+            return int(expr) if isinstance(expr, int) or expr.is_number else int(size.node.hint)
 
         def meta(name, grad):
             v = vals[name]
-            t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            t = torch.empty([dim(d) for d in v.shape], dtype=v.dtype, device="meta")
             return t.requires_grad_(grad and t.is_floating_point())
 
         ins = tuple(meta(n, index > 0) for n in self.stage_inputs[index])
         outs = tuple(meta(n, True) for n in self.stage_outputs[index])
         return ins, outs
+
+    def size_symbols(self) -> dict[str, Any]:
+        """After a dynamic trace, the symbol of each dynamic size (``batch``, ``seq``), read off
+        the first tensor input that has it; empty for a trace at fixed shapes."""
+        out = {}
+        for node in self.program.graph.nodes:
+            if node.op != "placeholder" or node.name not in self.stage_inputs[0]:
+                continue
+            shape = getattr(node.meta.get("val"), "shape", ())
+            for name, d in DYNAMIC_DIMS.items():
+                if name not in out and d < len(shape) and isinstance(shape[d], torch.SymInt) \
+                        and shape[d].node.expr.is_symbol:
+                    out[name] = shape[d].node.expr
+        return out
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.program.range_constraints)
 
     def stage_blocks(self) -> list[list[str]]:
         """The blocks each stage runs (a shared layer's calls as ``FQN@K``)."""
@@ -146,19 +182,60 @@ def as_tuple(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
-    """Trace ``model`` without changing it (no patched ``forward``)."""
+DYNAMIC_DIMS = {"batch": 0, "seq": 1}  # the tensor dimension each dynamic size names
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+           dynamic: dict[str, tuple[int, int]] | None = None) -> ExportedProgram:
+    """Trace ``model`` without changing it (no patched ``forward``).
+
+    ``dynamic`` maps ``"batch"`` and/or ``"seq"`` to the (min, max) sizes the trace must serve:
+    dimension 0 of every tensor input is the batch, dimension 1 of every 2-D or 3-D tensor input
+    (token ids, masks, embeddings) the sequence. Keyword inputs that are not tensors
+    (``return_dict=False``) are then bound to the call, as torch 2.13 cannot give dynamic shapes
+    to a ``forward`` that takes them through ``**kwargs``."""
+    kwargs = dict(kwargs or {})
+    target, dynamic_shapes = model, None
+    if dynamic:
+        constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        kwargs = {k: v for k, v in kwargs.items() if k not in constants}
+        if constants:
+            # A view of the model (the same submodules, parameters and buffers, so the same
+            # FQNs) whose forward has the constants bound; the model itself is untouched.
+            target = copy.copy(model)
+            target.forward = functools.partial(model.forward, **constants)
+        dynamic_shapes = _dynamic_shapes(target, args, kwargs, dynamic)
     try:
-        return torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+        return torch.export.export(target, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as err:
         if "Cache" in str(err) and getattr(getattr(model, "config", None), "use_cache", False) \
-                and (kwargs or {}).get("use_cache") is not False:
+                and kwargs.get("use_cache") is not False:
             # transformers returns a DynamicCache, which torch.export cannot carry out of a graph.
             raise PpsplitError(
                 f"{type(model).__name__} has use_cache=True, and torch.export cannot trace the cache it "
                 "returns; allowed: the model built with use_cache=False, or kwargs={'use_cache': False}"
             ) from None
+        if dynamic and type(err).__name__ in ("UserError", "ConstraintViolationError", "GuardOnDataDependentSymNode"):
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PpsplitError(f"{type(model).__name__} cannot be traced for varying sizes {dynamic}: {first}") from None
         raise
+
+
+def _dynamic_shapes(model, args, kwargs, dynamic) -> Any:
+    from torch.export import Dim, ShapesCollection
+
+    unknown = sorted(set(dynamic) - set(DYNAMIC_DIMS))
+    if unknown:
+        raise PpsplitError(f"dynamic sizes {unknown}: allowed: {', '.join(DYNAMIC_DIMS)}")
+    dims = {name: Dim(name, min=lo, max=hi) for name, (lo, hi) in dynamic.items()}
+    shapes = ShapesCollection()
+    for leaf in pytree.tree_leaves((tuple(args), kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            marks = {d: dims[name] for name, d in DYNAMIC_DIMS.items()
+                     if name in dims and d < leaf.dim() and (d == 0 or leaf.dim() <= 3)}
+            if marks:
+                shapes[leaf] = marks
+    return shapes.dynamic_shapes(model, tuple(args), kwargs)
 
 
 def module_run_order(program: ExportedProgram) -> dict[str, int]:
@@ -382,6 +459,7 @@ def split(
     last_stage_less: int = 0,
     microbatches: int = 1,
     program: ExportedProgram | None = None,
+    dynamic: dict[str, tuple[int, int]] | None = None,
 ) -> Split:
     """Cut ``model`` into pipeline stages whose FQNs are the original's.
 
@@ -393,7 +471,8 @@ def split(
     stage's parameters or forward+backward FLOPs at the traced shapes times ``microbatches``;
     these may also begin the last stage at the final norm, see ``unit_starts``).
     ``args``/``kwargs`` are example inputs (one microbatch); the stages are traced at their
-    shapes. ``model`` is not modified.
+    shapes, or, with ``dynamic={"batch": (lo, hi), "seq": (lo, hi)}``, for every batch and
+    sequence size in those bounds (see :func:`export`). ``model`` is not modified.
     """
     from ppsplit import plan
 
@@ -405,7 +484,7 @@ def split(
             f"split strategy {strategy!r} is not known; allowed: {', '.join(allowed)} "
             "(or points= for a manual split)"
         )
-    program = program if program is not None else export(model, args, kwargs)
+    program = program if program is not None else export(model, args, kwargs, dynamic)
     run_order = module_run_order(program)
     blocks = find_blocks(model, run_order)
     chosen = "manual"
@@ -431,6 +510,8 @@ def split(
     positions = _point_positions(model, points, run_order, program)
     result = _build_split(model, program, points, positions, blocks)
     result.strategy = chosen
+    if dynamic:
+        result._bound = {k: v for k, v in (kwargs or {}).items() if not isinstance(v, torch.Tensor)}
     for index, (stage, runs) in enumerate(zip(result.stages, result.stage_blocks())):
         if not any(True for _ in stage.parameters()) and not runs:
             where = "before the first split point" if index == 0 else f"from {points[index - 1]!r}"
@@ -482,8 +563,11 @@ def _build_split(model, program, points, positions, blocks) -> Split:
         if isinstance(leaf, fx.Node):
             last_use[leaf] = last
     index = {n: i for i, n in enumerate(nodes)}
+    # A symbolic size (a dynamic trace's batch or sequence length) is not sent between stages:
+    # each stage that needs one reads it off the tensors it receives (see _stage_module).
     live = [
-        sorted((v for v in def_stage if def_stage[v] <= b < last_use.get(v, -1)), key=index.get)
+        sorted((v for v in def_stage if def_stage[v] <= b < last_use.get(v, -1) and not _is_size(v)),
+               key=index.get)
         for b in range(n_stages - 1)
     ]
     stage_in = [user_inputs] + live
@@ -607,6 +691,64 @@ def _first_runner(module: str, carried: list[set[str]]) -> int:
         module = module.rpartition(".")[0]
 
 
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.SymInt)
+
+
+def _read_size(graph: fx.Graph, node: fx.Node, user: fx.Node, inputs: list[tuple[fx.Node, fx.Node]],
+               s: int) -> fx.Node:
+    """A symbolic size that an earlier stage computed (``s1``, or ``2*s0*s1``), computed again
+    from this stage's tensor inputs: each symbol read off an input that has it as a dimension
+    (``aten.sym_size.int``), then the sums and products between them."""
+    import sympy
+
+    stack = dict(user.meta.get("nn_module_stack", {}))  # computed where it is used
+    reads: dict[Any, fx.Node] = {}
+
+    def emit(target, args, val):
+        out = graph.call_function(target, args)
+        out.meta["val"], out.meta["nn_module_stack"] = val, dict(stack)
+        return out
+
+    def symbol(sym):
+        if sym not in reads:
+            for original, placeholder in inputs:
+                shape = getattr(original.meta.get("val"), "shape", ())
+                hit = next((d for d, size in enumerate(shape)
+                            if isinstance(size, torch.SymInt) and size.node.expr == sym), None)
+                if hit is not None:
+                    reads[sym] = emit(torch.ops.aten.sym_size.int, (placeholder, hit), shape[hit])
+                    break
+            else:
+                raise PpsplitError(
+                    f"stage {s} uses the size {want} (varying between calls), and none of the tensors it "
+                    f"receives has {sym} as a dimension; allowed: fixed shapes (no dynamic sizes) for this split")
+        return reads[sym]
+
+    def build(expr):
+        if expr.is_Integer:
+            return int(expr)
+        if expr.is_Symbol:
+            return symbol(expr)
+        if isinstance(expr, (sympy.Add, sympy.Mul)):
+            join = operator.add if isinstance(expr, sympy.Add) else operator.mul
+            parts = [build(a) for a in expr.args]
+            out = parts[0]
+            for part in parts[1:]:
+                vals = [p.meta["val"] if isinstance(p, fx.Node) else p for p in (out, part)]
+                out = emit(join, (out, part), join(*vals))
+            return out
+        raise PpsplitError(f"stage {s} uses the size {want} (varying between calls), which ppsplit cannot "
+                           "compute from the tensors the stage receives; allowed: fixed shapes for this split")
+
+    want = node.meta["val"].node.expr
+    out = build(want)
+    if not isinstance(out, fx.Node):  # a constant after all
+        return out
+    out.meta["val"] = node.meta["val"]
+    return out
+
+
 def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, named, carried):
     """Build stage ``s`` as its own ExportedProgram and unflatten it."""
     sig = program.graph_signature
@@ -657,9 +799,25 @@ def _stage_module(program, nodes, stage_of, s, inputs, outputs, used, keys, name
         env[node].meta = dict(node.meta)
         input_specs.append(InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(env[node].name),
                                      target=None))
+    copying: list[fx.Node] = []
+    sizes: dict[tuple, fx.Node] = {}
+
+    def value(node):
+        if node in env or not _is_size(node):
+            return env[node]
+        # Read once in each module call that uses it: a read shared between two calls of one
+        # layer (ALBERT's) would make their graphs differ, and unflatten would then copy the
+        # layer under a name of its own.
+        user = copying[-1]
+        where = (node, tuple(user.meta.get("nn_module_stack", {})))
+        if where not in sizes:
+            sizes[where] = _read_size(graph, node, user, [(n, env[n]) for n in inputs], s)
+        return sizes[where]
+
     for node in nodes:
         if stage_of.get(node) == s:
-            env[node] = graph.node_copy(node, env.__getitem__)
+            copying.append(node)
+            env[node] = graph.node_copy(node, value)
     _renumber_calls(graph)
     out_vals = [env[v] for v in outputs]
     graph.output(tuple(out_vals))

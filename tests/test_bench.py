@@ -69,6 +69,18 @@ def test_stage_overhead(tmp_path):
         assert row["max_abs_diff_vs_eager"] == {"generated": 0.0, "unfolded": 0.0, "interpreter": 0.0}
 
 
+def test_dynamic_shapes(tmp_path):
+    data = run_quick("dynamic_shapes", tmp_path)
+    assert data["sizes"]
+    for size in data["sizes"]:
+        assert positive(size["dynamic_trace_s"])
+        assert [r["seq"] for r in size["lengths_measured"]] == size["lengths"]
+        for row in size["lengths_measured"]:
+            check_sides(row, ("dynamic", "static", "eager"))
+            assert positive(row["dynamic_over_static"]) and positive(row["static_over_eager"])
+            assert row["max_abs_diff_vs_unsplit"] == {"dynamic": 0.0, "static": 0.0}
+
+
 def test_tied_memory(tmp_path):
     data = run_quick("tied_memory", tmp_path)
     assert positive(data["original_bytes"])

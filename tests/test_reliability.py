@@ -327,6 +327,11 @@ BAD = [
     (["debug.crash_rank=7"], "debug.crash_rank=7: allowed: 0 to 1"),
     (["parallel.dp=2", "launcher=inline"], "parallel.dp=2 parallel.tp=1 needs ranks"),
     (["batch_size=4", "parallel.dp=2"], "batch_size=4 is not divisible by microbatches=4 x parallel.dp=2"),
+    (["seq_lens=[16,200]"], "seq_lens=[16, 200] is beyond the model's max_position_embeddings=128; allowed: 2 to 128"),
+    (["seq_lens=[1,32]"], "seq_lens=[1, 32]: allowed: integers >= 2"),
+    (["seq_lens=abc"], "seq_lens='abc': allowed: a list of sequence lengths"),
+    (["model=vit", "seq_lens=[16,32]"], "seq_lens=[16, 32]: ViTForImageClassification takes images"),
+    (["model=llama", "parallel.tp=2", "seq_lens=[16,32]"], "seq_lens=[16, 32] with parallel.tp=2"),
 ]
 
 

@@ -141,3 +141,64 @@ def test_manual_points_and_tied_gradient_sum():
     for stage in split.stages:
         for key, p in stage.named_parameters():
             assert torch.allclose(p.grad, reference.get_parameter(key).grad, atol=1e-6), key
+
+
+DYNAMIC = [m for m in BLOCKS if m != "vit"]  # images have no sequence length
+
+
+@pytest.mark.parametrize("model", DYNAMIC)
+def test_one_dynamic_split_serves_several_batch_and_sequence_sizes(model):
+    """Traced once with a dynamic batch and sequence dimension, the stages run every shape in
+    the bounds, as the unsplit model does; no size travels between stages (each stage reads the
+    sizes it needs off the tensors it receives, as a pipeline stage must)."""
+    from ppsplit import build
+    from ppsplit.job_spec import from_config
+
+    net, _, loss_fn = model_and_batch(model)
+    s = from_config(compose_cfg(f"model={model}")).model
+    kind, call_kwargs = s.inputs, s.call_kwargs
+
+    def microbatches(batch, seq, seed):
+        return build.make_batch(kind, net, batch * 2, seq, seed, call_kwargs=call_kwargs).microbatches(2)
+
+    example = microbatches(2, 32, 0)[0]
+    split = ppsplit.split(net, example.args, example.kwargs, stages=2,
+                          dynamic={"batch": (1, 8), "seq": (8, 64)})
+    assert ppsplit.verify_fqns(net, split).ok
+    assert set(split.size_symbols()) == {"batch", "seq"}
+    for batch, seq in ((2, 32), (3, 16), (2, 48), (4, 8)):
+        mbs = microbatches(batch, seq, batch + seq)
+        # What stage 0 sends at this shape is what stage 1 is told to expect, and only tensors.
+        ins, _ = split.stage_io_meta(1, {"batch": batch, "seq": seq})
+        with torch.no_grad():
+            sent = split.stages[0](*split.flat_inputs(mbs[0].args, mbs[0].kwargs))
+        sent = sent if isinstance(sent, tuple) else (sent,)
+        assert all(isinstance(t, torch.Tensor) for t in sent)
+        assert [tuple(t.shape) for t in sent] == [tuple(t.shape) for t in ins]
+        numerics = ppsplit.verify_numerics(net, split, mbs, loss_fn)
+        assert numerics.forward_max_abs_diff <= 1e-5, (batch, seq)
+        assert numerics.loss_abs_diff <= 1e-5, (batch, seq)
+        assert numerics.grad_max_abs_diff <= 1e-5, (batch, seq, numerics.worst_grad)
+
+
+def test_a_dynamic_split_keeps_the_keyword_constants_it_was_traced_with():
+    net, mbs, _ = model_and_batch("gpt2")
+    split = ppsplit.split(net, mbs[0].args, mbs[0].kwargs, stages=2, dynamic={"seq": (8, 64)})
+    assert mbs[0].kwargs.get("return_dict") is False
+    out = split(*mbs[0].args, **mbs[0].kwargs)  # given as traced
+    assert torch.equal(out[0], net(*mbs[0].args, **mbs[0].kwargs)[0])
+    assert torch.equal(split(*mbs[0].args)[0], out[0])  # or left out: they were bound at the trace
+    with pytest.raises(ppsplit.PpsplitError, match="traced with return_dict=False; allowed: that value"):
+        split(*mbs[0].args, return_dict=True)
+
+
+@pytest.mark.parametrize("launcher", ["inline", pytest.param("local", marks=pytest.mark.slow)])
+def test_steps_of_different_sequence_lengths_match_the_unsplit_model(tmp_path, launcher):
+    model = "gpt2" if launcher == "inline" else "llama"
+    cfg = compose_cfg(f"model={model}", "stages=2", f"launcher={launcher}", "seq_lens=[16,32,48]", "steps=4")
+    assert run(cfg, str(tmp_path)) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    r = report["run"]
+    assert r["ok"] and r["seq_lens"] == [16, 32, 48, 16]
+    assert r["losses"] == pytest.approx(r["reference_losses"], rel=1e-5)
+    assert r["grad_max_abs_diff"] <= 1e-5
