@@ -161,10 +161,6 @@ class Split:
                     out[name] = shape[d].node.expr
         return out
 
-    @property
-    def dynamic(self) -> bool:
-        return bool(self.program.range_constraints)
-
     def stage_blocks(self) -> list[list[str]]:
         """The blocks each stage runs (a shared layer's calls as ``FQN@K``)."""
         order = module_run_order(self.program)
