@@ -17,7 +17,8 @@ import torch
 
 from bench import harness
 from ppsplit import build, plan
-from ppsplit.trace_split import export, find_blocks, module_run_order, unit_starts
+from ppsplit.split_points import find_blocks, module_run_order, unit_starts
+from ppsplit.trace_split import export
 
 SHAPES = {
     "gpt2-124M": ("GPT2LMHeadModel", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, bos_token_id=0, eos_token_id=0,

@@ -10,27 +10,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ppsplit.errors import PpsplitError, nearest
-from ppsplit.job_spec import TASK_SUFFIXES, TASKS
+from ppsplit.errors import PpsplitError
+from ppsplit.tasks import TASKS, model_class
 from ppsplit.stage_code import same_kind
 
 IGNORE = -100  # label value the losses skip, as in transformers
-
-
-def model_class(name: str):
-    """The transformers model class called ``name`` (any with a task ppsplit trains, see
-    :data:`ppsplit.job_spec.TASK_SUFFIXES`)."""
-    import transformers
-
-    suffixes = tuple(suffix for suffix, _ in TASK_SUFFIXES)
-    cls = getattr(transformers, name, None) if name.isidentifier() and name[0].isupper() else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        known = [n for n in dir(transformers) if n.endswith(suffixes)]
-        raise PpsplitError(
-            f"model.model_class={name!r} is not a transformers model class; allowed: a class named "
-            f"{', '.join('*' + s for s in suffixes)}{nearest(name, known)}"
-        )
-    return cls
 
 
 def build_model(

@@ -145,11 +145,11 @@ class RunGuard(Callback):
         overrides = list(OmegaConf.select(config, "hydra.overrides.task") or [])
         try:
             spec = check_config(config, overrides)
-            from ppsplit.job_spec import validate
+            from ppsplit.job_checks import validate
 
             validate(spec)
             if spec.launcher.name == "slurm" and spec.steps > 0:
-                from ppsplit.dispatch import check_slurm_controller
+                from ppsplit.slurm_ranks import check_slurm_controller
 
                 check_slurm_controller(spec.launcher.partition, spec.launcher.nodes)
         except PpsplitError as err:
@@ -165,7 +165,7 @@ class RunGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         if OmegaConf.select(config, "launcher.name") == "slurm":
-            from ppsplit.dispatch import check_slurm_controller
+            from ppsplit.slurm_ranks import check_slurm_controller
 
             try:
                 partition, nodes = (OmegaConf.select(config, f"launcher.{k}") for k in ("partition", "nodes"))
@@ -255,11 +255,15 @@ def hydra_main(cfg: DictConfig) -> int:
 
 def main() -> None:
     """``ppsplit`` / ``python -m ppsplit``."""
+    from ppsplit.local_ranks import shutdown_launcher
+
     try:
         hydra_main()
     except KeyboardInterrupt:
         print("ppsplit: interrupted by SIGINT", file=sys.stderr)
         sys.exit(130)
+    finally:
+        shutdown_launcher()
     from ppsplit.sweep_summary import failed_points
 
     if failed_points():

@@ -27,6 +27,7 @@ DRIVER_LOST_S = 10.0  # a rank whose driver has not answered for this long ends 
 RANK_LOST_S = 5.0  # the driver declares a rank lost after this long without a heartbeat
 EXIT_DRIVER_GONE = 75  # a rank's exit status when it ended because its driver was gone
 EXIT_ABORTED = 76  # ... because the driver told it to stop
+RECENT_LOSSES = 16  # a heartbeat carries the losses of this many last steps
 
 
 def _store(host: str, port: int, master_fd: int | None = None, timeout_s: float = DRIVER_LOST_S):
@@ -93,7 +94,8 @@ class RankChannel:
     def __init__(self, host: str, port: int, token: str, rank: int, timeout_s: float,
                  driver_pid: int | None = None):
         self.token, self.rank, self.driver_pid = token, rank, driver_pid
-        self.phase, self.step, self.loss, self.progress, self.completed = "starting", None, None, 0, 0
+        self.phase, self.step, self.progress, self.completed = "starting", None, 0, 0
+        self.losses: dict[str, float] = {}  # step (as a JSON key) -> loss, the last few
         self._main = threading.main_thread()
         self._stop = threading.Event()
         self.store = _store(host, port, timeout_s=timeout_s)  # the main thread's: rendezvous, errors, done
@@ -118,8 +120,13 @@ class RankChannel:
         self.progress += 1
 
     def step_done(self, step: int, loss: float | None) -> None:
-        """Step ``step`` (0-based) finished; ``loss``: its loss, on the rank of the last stage."""
-        self.completed, self.loss = step + 1, loss
+        """Step ``step`` (0-based) finished; ``loss``: its loss, on a rank of the last stage (the
+        last few are kept, so the driver can average the data-parallel ranks at one step)."""
+        self.completed = step + 1
+        if loss is not None:
+            self.losses[str(step)] = loss
+            for old in list(self.losses)[:-RECENT_LOSSES]:
+                del self.losses[old]
         self.progress += 1
 
     def where(self) -> tuple[str, bool]:
@@ -141,7 +148,7 @@ class RankChannel:
         where, waiting = self.where()
         self._beats += 1
         beat = {"beat": self._beats, "progress": self.progress, "phase": self.phase, "step": self.step,
-                "completed": self.completed, "loss": self.loss, "where": where, "waiting": waiting, "pid": os.getpid(),
+                "completed": self.completed, "losses": dict(self.losses), "where": where, "waiting": waiting, "pid": os.getpid(),
                 "host": socket.gethostname()}
         self._beat_store.set(self._key("beat", self.rank), json.dumps(beat))
 
@@ -204,22 +211,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel kill this process the moment its parent (the driver) dies, even by
-    SIGKILL; then check the parent did not die before this was set."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(EXIT_DRIVER_GONE)
 
 
 def new_token() -> str:

@@ -22,21 +22,19 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 from ppsplit.control import EXIT_ABORTED, EXIT_DRIVER_GONE, RANK_LOST_S, DriverChannel, new_token
-from ppsplit.errors import CheckFailed, PpsplitError
+from ppsplit.errors import CheckFailed
 from ppsplit.job_spec import JobSpec
+from ppsplit.local_ranks import LocalProcesses
+from ppsplit.slurm_ranks import SlurmJob, driver_address
 
 POLL_S = 0.25
 ROOT_CAUSE_GRACE_S = RANK_LOST_S + 1.0  # after a lost-peer error, wait this long for its cause
 SILENT_AFTER_LOSS_S = 1.5  # once a peer reported losing a rank, this much silence names it
-KILL_AFTER_S = 2.0  # local ranks: SIGKILL this long after SIGTERM
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
              "Socket Timeout", "remote worker", "Connection refused", "ECONNRESET", "EPIPE",
              "Timed out waiting")
@@ -56,174 +54,6 @@ class Interrupted(BaseException):
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name
-
-
-# --- backends --------------------------------------------------------------------------------
-
-class LocalProcesses:
-    """One process per rank on this machine, each in its own session (a Ctrl-C in the terminal
-    reaches only the driver, which stops them) and killed by the kernel if the driver dies."""
-
-    def __init__(self, launch_file: str, world: int, folder: str, threads: int):
-        self.folder = folder
-        self.processes: list[subprocess.Popen] = []
-        env = dict(os.environ)
-        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            env.pop(key, None)  # the ranks rendezvous on the driver's store, never on these
-        env.update(OMP_NUM_THREADS=str(threads), PPSPLIT_DRIVER_PID=str(os.getpid()))
-        try:
-            for rank in range(world):
-                with open(self.log(rank), "wb") as log:
-                    self.processes.append(subprocess.Popen(
-                        [sys.executable, "-u", "-m", "ppsplit.run_rank", launch_file, str(rank), str(world)],
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                        env=env, start_new_session=True, close_fds=True,
-                    ))
-        except BaseException:
-            self.cancel()
-            raise
-
-    def log(self, rank: int) -> str:
-        return os.path.join(self.folder, f"rank{rank}.log")
-
-    def exit_status(self, rank: int) -> int | None:
-        return self.processes[rank].poll()
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
-    def describe(self) -> str:
-        return f"local processes {', '.join(map(str, self.pids()))}; logs in {self.folder}"
-
-    def cancel(self) -> None:
-        """SIGTERM to every rank's process group, SIGKILL to what is left after KILL_AFTER_S."""
-        for sig, wait in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, 5.0)):
-            for p in self.processes:
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(p.pid, sig)
-            end = time.monotonic() + wait
-            while time.monotonic() < end and any(p.poll() is None for p in self.processes):
-                time.sleep(0.05)
-
-    def finished(self) -> None:
-        for p in self.processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-        self.cancel()  # nothing is left, whatever a rank did
-
-
-class SlurmJob:
-    """One SLURM task per rank through submitit."""
-
-    STATE_EVERY_S = 5.0
-
-    def __init__(self, launch_file: str, spec: JobSpec, folder: str, world: int):
-        import submitit
-
-        from ppsplit.run_rank import rank_entry
-
-        launcher = spec.launcher
-        per_node = launcher.tasks_per_node or -(-world // launcher.nodes)
-        params = {
-            "tasks_per_node": per_node,
-            "nodes": launcher.nodes,
-            "cpus_per_task": launcher.cpus_per_task,
-            "timeout_min": launcher.time_min or max(1, int(spec.timeout_s // 60) + 2),
-            "name": "ppsplit",
-            "slurm_partition": launcher.partition,
-        }
-        if launcher.gpus_per_task:
-            params["slurm_gpus_per_task"] = launcher.gpus_per_task
-        if launcher.additional_parameters:
-            params["slurm_additional_parameters"] = dict(launcher.additional_parameters)
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
-        self.folder = folder
-        with _outside_any_job():
-            self.job = executor.submit(rank_entry, launch_file)
-        self._state, self._state_at = "PENDING", 0.0
-        self._cancelled = False
-
-    def exit_status(self, rank: int) -> int | None:
-        return None  # SLURM does not tell a task's status while the job runs: heartbeats do
-
-    def state(self) -> str:
-        now = time.monotonic()
-        if now - self._state_at > self.STATE_EVERY_S:
-            self._state_at = now
-            with contextlib.suppress(Exception):  # the scheduler may not answer this time
-                self._state = str(self.job.state)
-        return self._state
-
-    def describe(self) -> str:
-        return f"SLURM job {self.job.job_id}; logs in {self.folder}"
-
-    def cancel(self) -> None:
-        if not self._cancelled:
-            self._cancelled = True
-            with contextlib.suppress(Exception):
-                self.job.cancel(check=False)
-
-    def finished(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _outside_any_job():
-    """Submit as if from a login shell. A sweep point's driver runs inside a SLURM job (and a
-    submitit one); sbatch would hand that job's SLURM_* and SUBMITIT_* variables to the ranks,
-    which then look for their work in the driver's job folder."""
-    saved = {k: v for k, v in os.environ.items()
-             if k.startswith(("SUBMITIT_", "SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"}
-    for key in saved:
-        del os.environ[key]
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def check_slurm_controller(partition: str | None = None, nodes: int = 1, timeout_s: float = 10.0) -> None:
-    """Refuse ``launcher=slurm`` at once when no SLURM controller answers, when the partition
-    does not exist, or when it has fewer nodes than ``launcher.nodes`` (such a job would wait
-    in the queue for ever)."""
-    hint = "start one with launchers/slurm/up.sh, or use launcher=local"
-
-    def scontrol(*args: str) -> subprocess.CompletedProcess:
-        try:
-            return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL)
-        except FileNotFoundError:
-            raise PpsplitError(f"launcher=slurm: SLURM's client commands are not installed; {hint}") from None
-        except subprocess.TimeoutExpired:
-            raise PpsplitError(f"launcher=slurm: no SLURM controller answered within {timeout_s:g} s; {hint}") from None
-
-    proc = scontrol("ping")
-    if proc.returncode != 0 or " is UP" not in proc.stdout:
-        said = (proc.stdout + proc.stderr).strip().splitlines()
-        raise PpsplitError(f"launcher=slurm: no SLURM controller answers (scontrol ping: "
-                           f"{said[-1] if said else 'no answer'}); {hint}")
-    partitions = {}  # name: (total nodes, default)
-    for line in scontrol("show", "partition", "-o").stdout.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        if "PartitionName" in fields:
-            partitions[fields["PartitionName"]] = (int(fields.get("TotalNodes", "0") or 0),
-                                                   fields.get("Default") == "YES")
-    if not partitions:
-        return  # the controller did not list them; sbatch will say what is wrong
-    listed = ", ".join(f"{name} ({n} node{'s' if n != 1 else ''})" for name, (n, _) in partitions.items())
-    if partition is None:
-        partition = next((name for name, (_, default) in partitions.items() if default), None)
-        if partition is None:
-            raise PpsplitError(f"launcher.partition=null: the cluster has no default partition; allowed: {listed}")
-    elif partition not in partitions:
-        raise PpsplitError(f"launcher.partition={partition}: no such partition; allowed: {listed}")
-    total = partitions[partition][0]
-    if nodes > total:
-        bigger = [f"launcher.partition={name}" for name, (n, _) in partitions.items() if n >= nodes]
-        raise PpsplitError(f"launcher.nodes={nodes}: partition {partition} has {total} node{'s' if total != 1 else ''}; "
-                           f"allowed: 1 to {total}" + (f", or {' or '.join(bigger)}" if bigger else ""))
 
 
 # --- the ranks of one run ------------------------------------------------------------------
@@ -266,10 +96,13 @@ class Ranks:
         else:
             self.backend = SlurmJob(launch_file, self.spec, os.path.join(os.path.dirname(self.folder), "submitit"),
                                     self.world)
-        self.progress(f"ranks: {self.world} started ({self.backend.describe()})")
         self._thread = threading.Thread(target=self._watch, name="ppsplit-monitor", daemon=True)
         self._thread.start()
         return self
+
+    def say_started(self) -> None:
+        """One line naming the ranks' processes (or job) and where their logs are."""
+        self.progress(f"ranks: {self.world} started ({self.backend.describe()})")
 
     def __enter__(self) -> "Ranks":
         return self
@@ -316,56 +149,78 @@ class Ranks:
             self._fail(f"the rank monitor failed: {type(err).__name__}: {err}")
 
     def _watch_loop(self) -> None:
-        errors: dict[int, dict] = {}
-        first_error_at = None
-        last_progress, last_change = None, time.monotonic()
+        seen = _Seen(time.monotonic())
         while not self._done.is_set():
             now = time.monotonic()
-            for rank in range(self.world):
-                beat = self.channel.heartbeat(rank)
-                if beat is not None:
-                    old = self._beats.get(rank)
-                    if old is None or old["beat"] != beat["beat"]:
-                        beat["seen"] = now
-                    else:
-                        beat["seen"] = old["seen"]
-                    self._beats[rank] = beat
-                if rank not in errors:
-                    error = self.channel.error(rank)
-                    if error is not None:
-                        errors[rank] = error
-                        first_error_at = first_error_at or now
-            deaths = self._deaths(errors, now, SILENT_AFTER_LOSS_S if errors else RANK_LOST_S)
-            own = {r: e for r, e in errors.items() if not _lost_peer(e["line"])}
-            if own:
-                rank = min(own)
-                return self._fail(f"rank {rank} failed: {own[rank]['line']}", errors[rank])
-            if deaths:
-                rank = min(deaths)
-                return self._fail(f"rank {rank} {deaths[rank]}")
-            if errors and now - first_error_at > ROOT_CAUSE_GRACE_S:
-                rank = min(errors)
-                return self._fail(f"rank {rank} failed: {errors[rank]['line']}", errors[rank])
+            self._read_channel(seen, now)
+            failure = self._failed_rank(seen, now)
+            if failure:
+                return self._fail(*failure)
             if all(self.channel.done(r) for r in range(self.world)):
-                self.results = self._load_results()
-                last = [r["losses"][-1] for r in self.results if r["losses"]]
-                done = max((len(r["losses"]) for r in self.results), default=0)
-                if done > self._reported_step:
-                    self.progress.step(done, self.spec.steps, last[0] if last else None)
-                self._done.set()
-                return
+                return self._finish()
             self._report_placement()
             self._report_steps()
-            state = self.backend.state() if isinstance(self.backend, SlurmJob) else "RUNNING"
-            progress = tuple(self._beats.get(r, {}).get("progress") for r in range(self.world))
-            if progress != last_progress or state == "PENDING":
-                last_progress, last_change = progress, now
-            elif now - last_change > self.spec.timeout_s:
-                return self._fail(self._stall_message())
-            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                         "BOOT_FAIL", "DEADLINE") or state.startswith("CANCELLED"):
-                return self._fail(f"the SLURM job ended ({state}) before every rank finished")
-            time.sleep(0.25)
+            failure = self._stalled(seen, now) or self._job_ended()
+            if failure:
+                return self._fail(failure)
+            time.sleep(POLL_S)
+
+    def _read_channel(self, seen: "_Seen", now: float) -> None:
+        """Each rank's latest heartbeat (when it last changed) and its error, if it sent one."""
+        for rank in range(self.world):
+            beat = self.channel.heartbeat(rank)
+            if beat is not None:
+                old = self._beats.get(rank)
+                beat["seen"] = now if old is None or old["beat"] != beat["beat"] else old["seen"]
+                self._beats[rank] = beat
+            if rank not in seen.errors:
+                error = self.channel.error(rank)
+                if error is not None:
+                    seen.errors[rank] = error
+                    seen.first_error_at = seen.first_error_at or now
+
+    def _failed_rank(self, seen: "_Seen", now: float) -> tuple[str, dict | None] | None:
+        """The failure to report, naming the rank that caused it: a rank's own error first, then
+        a rank that died, then (after a grace) a rank that only lost its peer."""
+        errors = seen.errors
+        own = {r: e for r, e in errors.items() if not _lost_peer(e["line"])}
+        if own:
+            rank = min(own)
+            return f"rank {rank} failed: {own[rank]['line']}", own[rank]
+        deaths = self._deaths(errors, now, SILENT_AFTER_LOSS_S if errors else RANK_LOST_S)
+        if deaths:
+            rank = min(deaths)
+            return f"rank {rank} {deaths[rank]}", None
+        if errors and now - seen.first_error_at > ROOT_CAUSE_GRACE_S:
+            rank = min(errors)
+            return f"rank {rank} failed: {errors[rank]['line']}", errors[rank]
+        return None
+
+    def _finish(self) -> None:
+        self.results = self._load_results()
+        done = max((len(r["losses"]) for r in self.results), default=0)
+        if done > self._reported_step:
+            self.progress.step(done, self.spec.steps, _mean_last_loss(self.results))
+        self._done.set()
+
+    def _stalled(self, seen: "_Seen", now: float) -> str | None:
+        """A message once no rank has made progress for ``timeout_s`` (a queued job waits)."""
+        progress = tuple(self._beats.get(r, {}).get("progress") for r in range(self.world))
+        pending = isinstance(self.backend, SlurmJob) and self.backend.state() == "PENDING"
+        if progress != seen.progress or pending:
+            seen.progress, seen.changed_at = progress, now
+        elif now - seen.changed_at > self.spec.timeout_s:
+            return self._stall_message()
+        return None
+
+    def _job_ended(self) -> str | None:
+        if not isinstance(self.backend, SlurmJob):
+            return None
+        state = self.backend.state()
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                     "BOOT_FAIL", "DEADLINE") or state.startswith("CANCELLED"):
+            return f"the SLURM job ended ({state}) before every rank finished"
+        return None
 
     def _deaths(self, errors, now, silent_s: float) -> dict[int, str]:
         """Ranks that ended without reporting an error or a result; on SLURM, a rank silent for
@@ -406,8 +261,10 @@ class Ranks:
         completed = min(b.get("completed") or 0 for b in self._beats.values())
         if completed > self._reported_step:
             self._reported_step = completed
-            losses = [b["loss"] for b in self._beats.values() if b.get("loss") is not None]
-            self.progress.step(completed, self.spec.steps, losses[0] if losses else None)
+            # the global batch's loss: the mean over the ranks of the last stage at that step
+            losses = [b["losses"][str(completed - 1)] for b in self._beats.values()
+                      if str(completed - 1) in (b.get("losses") or {})]
+            self.progress.step(completed, self.spec.steps, sum(losses) / len(losses) if losses else None)
 
     def _stall_message(self) -> str:
         t = self.spec.timeout_s
@@ -454,6 +311,22 @@ class Ranks:
         return out
 
 
+class _Seen:
+    """What the monitor has seen of the ranks so far."""
+
+    def __init__(self, now: float):
+        self.errors: dict[int, dict] = {}
+        self.first_error_at: float | None = None
+        self.progress: tuple | None = None
+        self.changed_at = now
+
+
+def _mean_last_loss(results: list[dict]) -> float | None:
+    """The last step's loss of the global batch: the mean over the ranks that hold the last stage."""
+    last = [r["losses"][-1] for r in results if r["losses"]]
+    return sum(last) / len(last) if last else None
+
+
 def _interrupt_main() -> None:
     import _thread
 
@@ -477,47 +350,6 @@ def _describe_exit(status: int) -> str:
     if status == 0:
         return "ended without a result"
     return f"exited with status {status} without reporting an error"
-
-
-def driver_address(setting: str = "auto") -> str:
-    """Where SLURM ranks reach the driver. ``auto``: this machine's own address on its route to
-    the SLURM controller (127.0.0.1 for a controller on loopback; on a cluster, the address the
-    login node has on the cluster's network), found without sending anything. Anything else is
-    taken as given: a name or an address that every node resolves to this machine."""
-    import socket
-
-    if setting != "auto":
-        return setting
-    controller = _controller_address()
-    if controller is None:
-        return socket.gethostname()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(controller)  # UDP: picks the route and the source address, sends nothing
-            return probe.getsockname()[0]
-        except OSError:
-            return socket.gethostname()
-
-
-def _controller_address() -> tuple[str, int] | None:
-    """The SLURM controller's address and port, from ``scontrol show config``."""
-    import socket
-
-    try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10,
-                             stdin=subprocess.DEVNULL).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    host = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out, re.M)
-    port = re.search(r"^SlurmctldPort\s*=\s*(\d+)", out, re.M)
-    if host is None:
-        return None
-    address = host.group(2) or host.group(1)
-    try:
-        address = socket.gethostbyname(address)
-    except OSError:
-        return None
-    return address, int(port.group(1)) if port else 6817
 
 
 def install_signal_handlers() -> dict:

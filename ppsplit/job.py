@@ -11,7 +11,8 @@ import time
 from ppsplit import build, report
 from ppsplit.report import Progress
 from ppsplit.errors import PpsplitError
-from ppsplit.job_spec import JobSpec, validate
+from ppsplit.job_checks import validate
+from ppsplit.job_spec import JobSpec
 from ppsplit.plan import balance, stage_costs
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
@@ -27,11 +28,15 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
 
         target = Target(spec.checkpoint.dir or os.path.join(output_dir, "checkpoint"), spec.checkpoint.overwrite)
     if spec.launcher.name == "slurm" and spec.steps > 0:
-        from ppsplit.dispatch import check_slurm_controller
+        from ppsplit.slurm_ranks import check_slurm_controller
 
         check_slurm_controller(spec.launcher.partition, spec.launcher.nodes)
 
     started_at = time.time()
+    if spec.launcher.name == "local" and spec.steps > 0:
+        from ppsplit.local_ranks import launcher
+
+        launcher().preload(f"transformers.{m.class_name}")  # its imports overlap the build and trace
     init = build.resolve_init(m.init, m.class_name, m.config, m.pretrained)
     spec = spec.with_model(init=init)
     meta = init == "meta"
@@ -83,6 +88,8 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
             fqn = verify_fqns(model, split)
             numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
             say.phase("verify", "checked the FQNs" + ("" if meta else " and the numerics"))
+            if ranks is not None:
+                ranks.say_started()
             costs = stage_costs(split, spec.microbatches)
             rows = report.stage_rows(split, costs)
             balance_of = {kind: balance(values) for kind, values in costs.items()}

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ppsplit import build
-from ppsplit.control import RankChannel, die_with_parent
-from ppsplit.job_spec import SCHEDULES, JobSpec
+from ppsplit.control import RankChannel
+from ppsplit.job_spec import JobSpec
+from ppsplit.schedules import SCHEDULES, stages_of_rank
 from ppsplit.stage_code import adopt_tensors, retarget_devices, same_kind
 from ppsplit.ties import TieSync
 from ppsplit.trace_split import split as split_model
@@ -37,14 +38,6 @@ class InjectedBaseException(BaseException):
 def median_after_first(times: list[float]) -> float | None:
     """The step time: the median of the steps after the first (which also warms up)."""
     return statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None)
-
-
-def stages_of_rank(rank: int, ranks: int, per_rank: int, placement: str) -> list[int]:
-    """The stage indices pipeline rank ``rank`` runs: loop placement gives rank r stages r, r+R,
-    ...; V placement gives it stages r and 2R-1-r, so the first and last stage share rank 0."""
-    if placement == "v":
-        return [rank, 2 * ranks - 1 - rank]
-    return [rank + k * ranks for k in range(per_rank)]
 
 
 def unique_params(modules) -> list[torch.nn.Parameter]:
@@ -483,15 +476,10 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
     }
 
 
-def main(argv: list[str]) -> None:
-    """``python -m ppsplit.run_rank LAUNCH RANK WORLD``: a local rank, started by the driver."""
+def forked(argv: list[str]) -> None:
+    """A local rank (``LAUNCH RANK WORLD``), forked by :mod:`ppsplit.local_ranks`."""
     launch_file, rank, world = argv[0], int(argv[1]), int(argv[2])
-    die_with_parent(int(os.environ["PPSPLIT_DRIVER_PID"]))
     try:
         rank_entry(launch_file, rank, world)
     except BaseException:
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -10,7 +10,7 @@ import pytest
 
 from ppsplit import CheckFailed, PpsplitError
 from ppsplit.cli import run
-from ppsplit.job_spec import plan_ranks
+from ppsplit.schedules import plan_ranks
 from conftest import run_cli
 from helpers import compose_cfg
 
@@ -124,7 +124,7 @@ def test_impossible_schedules_are_refused_before_any_process(tmp_path, schedule,
 
 
 def test_plan_places_stages_in_loop_and_v():
-    from ppsplit.run_rank import stages_of_rank
+    from ppsplit.schedules import stages_of_rank
 
     assert plan_ranks("interleaved_1f1b", 4, 2, 4).ranks == 2
     assert [stages_of_rank(r, 2, 2, "loop") for r in range(2)] == [[0, 2], [1, 3]]
