@@ -4,6 +4,7 @@ deterministic example batches, labels and the loss for it."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,14 +23,16 @@ def build_model(
     config: dict[str, Any] | None = None,
     pretrained: str | None = None,
     seed: int = 0,
+    dropout: bool = False,
 ) -> torch.nn.Module:
     """A transformers model: from a local ``pretrained`` folder, or from ``config`` with random
-    weights drawn deterministically from ``seed``. No model hub is ever contacted."""
+    weights drawn deterministically from ``seed``. No model hub is ever contacted. Without
+    ``dropout`` every stochastic layer is off (see :func:`stochastic_settings`)."""
     cls = model_class(class_name)
-    if pretrained:
-        return load_pretrained(cls, pretrained, config)
+    if pretrained:  # in training mode, as a model built from its config is (from_pretrained gives eval)
+        return load_pretrained(cls, pretrained, config, dropout).train()
     torch.manual_seed(seed)
-    cfg = load_config(cls, config)
+    cfg = load_config(cls, config, dropout=dropout)
     # Re-initialise deterministically per tensor, so a rank that builds only its stage from the
     # meta device (model.init=meta) gets exactly these values.
     return initialize(cls(cfg), seed)
@@ -53,9 +56,42 @@ def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def load_config(cls, config: dict | None = None, pretrained: str | None = None):
+def load_config(cls, config: dict | None = None, pretrained: str | None = None, dropout: bool = False):
     """The model's transformers config: ``config`` as the fields of a new one or, with
-    ``pretrained``, applied on top of that folder's ``config.json``."""
+    ``pretrained``, applied on top of that folder's ``config.json``; without ``dropout``, every
+    probability of dropping something set to 0."""
+    cfg = _load_config(cls, config, pretrained)
+    if not dropout:
+        for holder, key, _ in _stochastic(cfg):
+            setattr(holder, key, 0.0)
+    return cfg
+
+
+# Config fields that make a layer random in training: dropout, layer drop, drop path, jitter.
+_STOCHASTIC = re.compile(r"dropout|pdrop|layerdrop|drop_path|drop_rate|jitter", re.I)
+
+
+def _stochastic(cfg, prefix: str = "") -> list[tuple[Any, str, float]]:
+    found = []
+    for key, value in vars(cfg).items():
+        if key.startswith("_"):
+            continue
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config (text_config...)
+            found += _stochastic(value, f"{prefix}{key}.")
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+              and _STOCHASTIC.search(key)):
+            found.append((cfg, key, value))
+    return found
+
+
+def stochastic_settings(class_name: str, config: dict | None = None, pretrained: str | None = None) -> dict:
+    """The model's config fields that make training random (dropout, layer drop, drop path,
+    router jitter) and are above 0, by name: what ``dropout=false`` switches off."""
+    cfg = _load_config(model_class(class_name), config, pretrained)
+    return {key: value for _, key, value in _stochastic(cfg)}
+
+
+def _load_config(cls, config: dict | None, pretrained: str | None):
     if pretrained:
         folder = check_pretrained_folder(pretrained)
         try:
@@ -72,8 +108,8 @@ def load_config(cls, config: dict | None = None, pretrained: str | None = None):
         raise PpsplitError(f"model.config: {cls.config_class.__name__} refuses it: {_first_line(err)}") from None
 
 
-def load_pretrained(cls, folder: str, config: dict | None = None) -> torch.nn.Module:
-    cfg = load_config(cls, config, folder)
+def load_pretrained(cls, folder: str, config: dict | None = None, dropout: bool = False) -> torch.nn.Module:
+    cfg = load_config(cls, config, folder, dropout)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per phase is ppsplit's; no bars from the loader
@@ -210,11 +246,12 @@ _RANDOM_FILLS = ("normal_", "uniform_", "bernoulli_", "random_", "exponential_",
                  "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_")
 
 
-def build_on_meta(class_name: str, config: dict | None = None, pretrained: str | None = None) -> torch.nn.Module:
+def build_on_meta(class_name: str, config: dict | None = None, pretrained: str | None = None,
+                  dropout: bool = False) -> torch.nn.Module:
     """The model's structure with every parameter and buffer on the meta device: no memory.
     With ``pretrained``, the structure comes from that folder's config.json."""
     cls = model_class(class_name)
-    cfg = load_config(cls, config, pretrained)
+    cfg = load_config(cls, config, pretrained, dropout)
     with torch.device("meta"):
         return cls(cfg)
 

@@ -8,8 +8,10 @@ rank failed, 2 bad input; a sweep with a failed point exits 1 after its summary)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import threading
 import traceback
@@ -80,6 +82,14 @@ class RunFolder:
         self.entries = set(os.listdir(self.path)) if os.path.isdir(self.path) else set()
         hydra_dir = os.path.join(self.path, ".hydra")
         self.hydra_entries = set(os.listdir(hydra_dir)) if os.path.isdir(hydra_dir) else set()
+
+    def earlier_run(self) -> str | None:
+        """What shows that an earlier run wrote in this folder (Hydra's record of its config, a
+        log, a report, ranks), or None."""
+        for name in (".hydra/config.yaml", ".hydra/overrides.yaml", self.log, *self.OWN):
+            if os.path.lexists(os.path.join(self.path, name)):
+                return name
+        return None
 
     def claim_unique(self) -> str:
         """Create the folder, or ``<folder>-N`` for the first N free, atomically: two runs started
@@ -157,6 +167,12 @@ class RunGuard(Callback):
             sys.exit(2)
         raw = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir")
         folder = RunFolder(OmegaConf.select(config, "hydra.run.dir"), config.hydra.job.name)
+        earlier = folder.earlier_run()
+        if raw != DEFAULT_RUN_DIR and earlier:
+            print(f"ppsplit: error: hydra.run.dir={folder.path} holds an earlier run ({earlier}); a run never "
+                  "changes another run's files; allowed: a new or empty folder, or leave hydra.run.dir to its "
+                  "default (a new folder for each run)", file=sys.stderr)
+            sys.exit(2)
         if raw == DEFAULT_RUN_DIR:
             claimed = folder.claim_unique()
             with read_write(config.hydra.run), open_dict(config.hydra.run):
@@ -164,6 +180,12 @@ class RunGuard(Callback):
         _RUN_FOLDER = folder
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        if os.path.isfile(os.path.join(sweep_dir, "multirun.yaml")):
+            print(f"ppsplit: error: hydra.sweep.dir={os.path.abspath(sweep_dir)} holds an earlier sweep "
+                  "(multirun.yaml); a run never changes another run's files; allowed: a new or empty folder",
+                  file=sys.stderr)
+            sys.exit(2)
         if OmegaConf.select(config, "launcher.name") == "slurm":
             from ppsplit.slurm_ranks import check_slurm_controller
 
@@ -187,7 +209,7 @@ def _message(err: BaseException) -> tuple[str, int]:
     if isinstance(err, Interrupted):
         return f"ppsplit: interrupted by {err.name}; no rank is left running", 128 + err.signum
     if isinstance(err, KeyboardInterrupt):
-        return "ppsplit: interrupted by SIGINT; no rank is left running", 130
+        return "ppsplit: interrupted by SIGINT; no rank is left running", 128 + signal.SIGINT
     if os.environ.get("PPSPLIT_DEBUG"):
         traceback.print_exception(err)
     from ppsplit.control import one_line
@@ -234,11 +256,17 @@ def hydra_main(cfg: DictConfig) -> int:
             if isinstance(err, SystemExit):
                 raise
             message, code = _message(err)
-        if message:
+        if message and code > 128:
+            from ppsplit.dispatch import say_interrupted
+
+            say_interrupted(code - 128)
+        elif message:
             print(message, file=sys.stderr, flush=True)
     finally:
         sys.stdout, sys.stderr = streams
         log.close()
+    if code > 128:  # a stop signal: the run has cleaned up; end now, not after a slow teardown
+        _end_now(code)
     if single:
         if code == 2 and _RUN_FOLDER is not None:
             _RUN_FOLDER.clean()
@@ -248,15 +276,31 @@ def hydra_main(cfg: DictConfig) -> int:
         from ppsplit.report import write_json
 
         write_json(os.path.join(output_dir, "error.json"), {"ok": False, "exit_status": code, "error": message})
-        if code > 128:  # a signal stops the whole sweep
-            sys.exit(code)
     return code
+
+
+def _end_now(code: int) -> None:
+    from ppsplit.local_ranks import shutdown_launcher
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    shutdown_launcher(wait=False)
+    os._exit(code)
 
 
 def main() -> None:
     """``ppsplit`` / ``python -m ppsplit``."""
-    from ppsplit.local_ranks import shutdown_launcher
+    from ppsplit.local_ranks import allow_fork, shutdown_launcher
+    from ppsplit.overrides import check_command_line
 
+    allow_fork()  # nothing has run yet: local ranks can come from a fork of this process
+
+    try:
+        check_command_line(sys.argv[1:], CONF_DIR)
+    except PpsplitError as err:  # Hydra would print several lines and exit 1
+        print(f"ppsplit: error: {err}", file=sys.stderr)
+        sys.exit(2)
     try:
         hydra_main()
     except KeyboardInterrupt:
@@ -268,6 +312,13 @@ def main() -> None:
 
     if failed_points():
         sys.exit(1)
+
+
+def forked(args: list[str]) -> None:
+    """``ppsplit ARGS`` in a process forked by :mod:`ppsplit.local_ranks` (tests start the
+    command line this way, without paying for the imports each time)."""
+    sys.argv = ["ppsplit", *args]
+    main()
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ class Ranks:
                                     self.world)
         self._thread = threading.Thread(target=self._watch, name="ppsplit-monitor", daemon=True)
         self._thread.start()
+        _ACTIVE.add(self)
         return self
 
     def say_started(self) -> None:
@@ -107,7 +108,15 @@ class Ranks:
     def __enter__(self) -> "Ranks":
         return self
 
+    def kill_now(self) -> None:
+        """Stop the ranks without waiting for anything (the stop watchdog's last resort)."""
+        if self.channel is not None:
+            self.channel.abort("the driver was stopped")
+        if self.backend is not None:
+            self.backend.kill()
+
     def __exit__(self, exc_type, exc, tb) -> bool:
+        _ACTIVE.discard(self)
         self._closing = True  # from here on the monitor never interrupts the main thread
         if self.backend is not None and self.results is None:
             self.cancel(f"the driver stopped ({exc_type.__name__ if exc_type else 'done'})")
@@ -352,10 +361,36 @@ def _describe_exit(status: int) -> str:
     return f"exited with status {status} without reporting an error"
 
 
+STOP_GRACE_S = 1.5  # after a stop signal the driver ends this long later, whatever it is doing
+_ACTIVE: set = set()  # the Ranks of the runs under way in this process
+_STOPPING = threading.Event()
+_SAID = threading.Lock()
+_said = False
+
+
+def say_interrupted(signum: int) -> None:
+    """The one line a stopped driver prints (once, whoever gets there first)."""
+    global _said
+    import sys
+
+    with _SAID:
+        if not _said:
+            _said = True
+            print(f"ppsplit: interrupted by {signal.Signals(signum).name}; no rank is left running",
+                  file=sys.stderr, flush=True)
+
+
 def install_signal_handlers() -> dict:
     """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread, and SIGUSR1
-    (the monitor's) :class:`RanksFailed`; returns the previous handlers."""
+    (the monitor's) :class:`RanksFailed`; returns the previous handlers. The first stop signal
+    also arms a watchdog: if the driver has not ended :data:`STOP_GRACE_S` later (a long native
+    call that keeps the handler from running, a slow exit), it kills the ranks and ends the
+    process itself. Later stop signals change nothing."""
     def interrupted(signum, frame):
+        if _STOPPING.is_set():
+            return
+        _STOPPING.set()
+        threading.Thread(target=_watchdog, args=(signum,), name="ppsplit-stop", daemon=True).start()
         raise Interrupted(signum)
 
     def failed(signum, frame):
@@ -366,6 +401,15 @@ def install_signal_handlers() -> dict:
         previous[sig] = signal.signal(sig, interrupted)
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, failed)
     return previous
+
+
+def _watchdog(signum: int) -> None:
+    time.sleep(STOP_GRACE_S)
+    for ranks in list(_ACTIVE):
+        with contextlib.suppress(Exception):
+            ranks.kill_now()
+    say_interrupted(signum)
+    os._exit(128 + signum)
 
 
 def restore_signal_handlers(previous: dict) -> None:

@@ -9,11 +9,13 @@ import socket
 import time
 
 from ppsplit import build, report
+from ppsplit.debug import pause
 from ppsplit.report import Progress
 from ppsplit.errors import PpsplitError
 from ppsplit.job_checks import validate
 from ppsplit.job_spec import JobSpec
 from ppsplit.plan import balance, stage_costs
+from ppsplit.tolerance import DRIFT, Tolerance
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
 
@@ -24,7 +26,7 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
     validate(spec)
     target = None
     if spec.checkpoint.save:
-        from ppsplit.checkpoint import Target
+        from ppsplit.checkpoint_folder import Target
 
         target = Target(spec.checkpoint.dir or os.path.join(output_dir, "checkpoint"), spec.checkpoint.overwrite)
     if spec.launcher.name == "slurm" and spec.steps > 0:
@@ -40,15 +42,17 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
     init = build.resolve_init(m.init, m.class_name, m.config, m.pretrained)
     spec = spec.with_model(init=init)
     meta = init == "meta"
+    pause("build", spec.debug.pause_at, spec.debug.pause_mode)
     if meta and not spec.distributed and spec.steps > 0:
         raise PpsplitError("model.init=meta needs ranks to hold the weights; use launcher=local or "
                            "launcher=slurm, or steps=0 to only split and check")
     if meta:
-        model = build.build_on_meta(m.class_name, m.config, m.pretrained)
+        model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout)
     else:
-        model = build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
+        model = build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
     say.phase("build", f"built {m.class_name} ({'meta device' if meta else 'real weights'}, "
                        f"{build.count_tensor_params(model):,} parameters)")
+    masks = _dropout(spec, say)
     if m.pretrained and m.config:
         say(f"model.config over {m.pretrained}/config.json: "
             + ", ".join(f"{k}={v!r}" for k, v in m.config.items()))
@@ -61,7 +65,11 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
 
     microbatches = batch_for(0).microbatches(spec.microbatches * spec.parallel.dp)
     example = microbatches[0].to("meta") if meta else microbatches[0]
+    pause("trace", spec.debug.pause_at, spec.debug.pause_mode)
     split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
+    if masks is not None:
+        for handle in masks.on_model(model, split.points):  # refuses points it cannot draw alike at
+            handle.remove()
     if spec.parallel.tp > 1 and spec.steps > 0 and spec.distributed:
         from ppsplit.layout import check_tensor_parallel
 
@@ -85,8 +93,9 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
                 staging = target.stage(os.urandom(4).hex()) if target else None
                 ranks.start({"checkpoint_dir": staging, "load_dir": spec.checkpoint.load,
                              "hf_dir": os.path.join(staging, "hf") if staging and spec.checkpoint.hf else None})
+            pause("check", spec.debug.pause_at, spec.debug.pause_mode)
             fqn = verify_fqns(model, split)
-            numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn)
+            numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn, masks)
             say.phase("verify", "checked the FQNs" + ("" if meta else " and the numerics"))
             if ranks is not None:
                 ranks.say_started()
@@ -100,11 +109,12 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
             if spec.steps > 0:
                 if ranks is None and target:
                     target.stage(os.urandom(4).hex())
-                run = train_and_compare(spec, model, split, batch_for, loss_fn, ranks, target, say, resume)
+                run = train_and_compare(spec, model, split, batch_for, loss_fn, ranks, target, say, resume, masks)
                 print(report.format_run(run), flush=True)
         ok = fqn.ok and numerics_ok and (run is None or run["ok"])
         if target:
             if ok:
+                pause("save", spec.debug.pause_at, spec.debug.pause_mode)
                 run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume), config, m.class_name)
                 say(f"checkpoint: {run['checkpoint']}")
             else:
@@ -127,7 +137,8 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         "stage_info": rows,
         "init": init,
         "numerics": ({"skipped": "model.init=meta"} if numerics is None else
-                     {**numerics.as_dict(), "ok": numerics_ok, "tolerance": spec.tolerance}),
+                     {**numerics.as_dict(), "ok": numerics_ok, "tolerance": spec.tolerance,
+                      "mismatch": None if numerics_ok else _as_mismatch(numerics.worst(spec.tolerance))}),
         "run": run,
         "timings_s": dict(say.marks),
         "started_at": started_at,
@@ -135,6 +146,7 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         "ok": ok,
     }
     path = os.path.join(output_dir, "report.json")
+    pause("report", spec.debug.pause_at, spec.debug.pause_mode)
     report.write_json(path, data)
     print(f"{'PASSED' if ok else 'FAILED'}; report: {path}", flush=True)
     return 0 if ok else 1
@@ -157,7 +169,27 @@ def checkpoint_meta(spec: JobSpec, split, resume: dict | None = None) -> dict:
     }
 
 
-def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, target, say, resume=None) -> dict:
+def _dropout(spec: JobSpec, say):
+    """Say what ``dropout`` does to this model; the mask seeds when its dropout stays on."""
+    m = spec.model
+    settings = build.stochastic_settings(m.class_name, m.config, m.pretrained)
+    if not settings:
+        return None
+    by_value: dict[float, list[str]] = {}
+    for key, value in settings.items():
+        by_value.setdefault(value, []).append(key)
+    found = "; ".join(f"p={value:g} in the config: {', '.join(keys)}" for value, keys in by_value.items())
+    if not spec.dropout:
+        say(f"dropout off for the check and the training ({found}); dropout=true trains with it")
+        return None
+    from ppsplit.dropout import MaskSeeds
+
+    say(f"dropout on ({found}): masks drawn alike in the stages and the unsplit model")
+    return MaskSeeds(spec.seed)
+
+
+def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, target, say, resume=None,
+                      masks=None) -> dict:
     """Train the stages (in this process, or on the ranks) and the unsplit model on the same data
     and steps, and compare them."""
     from ppsplit.run_rank import tensor_digest, train_in_process
@@ -174,10 +206,13 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
         modules = dict(enumerate(split.stages))
         ties = TieSync(split.tie_groups, split.stage_keys, modules, {i: 0 for i in modules}, 0)
         say(f"training {spec.steps} step(s) inline")
+        handles = masks.on_stages(modules) if masks is not None else []
         pipelined = train_in_process(split, split.stages, batch_for, spec.steps, spec.microbatches,
                                      loss_fn, spec.optimizer, after_backward=ties.sum_grads,
                                      load=(load, model, split.tie_groups) if load else None,
-                                     on_step=lambda done, loss: say.step(done, spec.steps, loss))
+                                     on_step=lambda done, loss: say.step(done, spec.steps, loss), masks=masks)
+        for handle in handles:
+            handle.remove()
         losses, first_grads, states = pipelined["losses"], pipelined["first_grads"], pipelined["state"]
         diverged = pipelined["diverged"]
         step_time = pipelined["step_time_s"]
@@ -194,6 +229,7 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
     else:
         # Wait first: a reference trained meanwhile would take the ranks' CPUs and distort their
         # step times.
+        pause("train", spec.debug.pause_at, spec.debug.pause_mode)
         results = sorted(ranks.wait(), key=lambda r: r["rank"])
         keepers = [r for r in results if r["keeper"]]
         last = len(split.stages) - 1
@@ -214,22 +250,27 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
     say.phase("train", f"ranks finished {spec.steps} step(s)" if ranks else f"trained {spec.steps} step(s)")
     if diverged is not None:
         cmp = {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
-               "grad_max_abs_diff": None, "worst_grad": "", "ties": [], "ok": False}
+               "grad_max_abs_diff": None, "worst_grad": "", "ties": [], "ok": False, "mismatch": None}
     else:
         if any(p.is_meta for p in model.parameters()):
             # The unsplit reference needs the whole model in memory: only when it is small.
             m = spec.model
             size = sum(p.numel() for p in model.parameters())  # a tied tensor once
-            reference_model = (build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
+            reference_model = (build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
                                if size <= build.INIT_THRESHOLD_PARAMS else None)
+        handles = masks.on_model(reference_model, split.points) if masks and reference_model is not None else []
         reference = (None if reference_model is None else
                      train_in_process(reference_model, [reference_model], batch_for, spec.steps,
                                       global_mbs, loss_fn, spec.optimizer,
-                                      load=(load, reference_model, split.tie_groups) if load else None))
+                                      load=(load, reference_model, split.tie_groups) if load else None,
+                                      masks=masks))
+        for handle in handles:
+            handle.remove()
         if reference is not None:
             say.phase("reference", "trained the unsplit reference")
         cmp = compare_training(reference, losses, first_grads, states, split.tie_groups,
-                               loss_rtol=1e-5, grad_atol=spec.tolerance, tie_atol=spec.tie_tolerance)
+                               computed=Tolerance(spec.tolerance), trained=Tolerance(spec.tie_tolerance, drift=DRIFT),
+                               initial=reference["initial"] if reference else None)
         if fqn_problems:
             cmp["ok"] = False
     return {
@@ -256,6 +297,10 @@ def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, ta
         "driver_host": socket.gethostname(),
         "nodes": _nodes(results or []),
     }
+
+
+def _as_mismatch(d) -> dict | None:
+    return None if d is None else {**d.as_dict(), "tie_copy": d.kind == "tie copy"}
 
 
 def _nodes(results: list[dict]) -> dict[str, list[int]]:

@@ -15,6 +15,9 @@ from ppsplit.schedules import ZERO_BUBBLE, RankPlan
 
 def check_run(spec: JobSpec) -> None:
     """The schedule, the layout and the launcher can run together (only where ranks run)."""
+    if spec.debug.defect and (not spec.distributed or spec.steps == 0):
+        raise PpsplitError(f"debug.defect={spec.debug.defect}: the ranks inject it; allowed: launcher=local or "
+                           "launcher=slurm with steps >= 1")
     if not spec.distributed or spec.steps == 0:
         par = spec.parallel
         if par.dp > 1 or par.tp > 1:
@@ -41,11 +44,11 @@ def validate(spec: JobSpec):
     config = check_model(spec)
     check_run(spec)
     if spec.checkpoint.save and spec.checkpoint.dir:
-        from ppsplit.checkpoint import Target
+        from ppsplit.checkpoint_folder import Target
 
         Target(spec.checkpoint.dir, spec.checkpoint.overwrite)  # refuses a folder it must not touch
     if spec.checkpoint.load:
-        from ppsplit.checkpoint import check_loadable
+        from ppsplit.checkpoint_folder import check_loadable
 
         check_loadable(spec.checkpoint.load, spec.model.class_name)
         if spec.steps == 0:
@@ -122,6 +125,10 @@ def check_model(spec: JobSpec) -> Any:
             raise PpsplitError(f"model.config.vocab_size={vocab!r}: allowed: an integer >= 2")
     if spec.parallel.tp > 1:
         _check_heads(config, spec.parallel.tp)
+        if spec.dropout and build.stochastic_settings(m.class_name, m.config, m.pretrained):
+            raise PpsplitError(f"dropout=true with parallel.tp={spec.parallel.tp}: a tensor-parallel rank draws "
+                               "dropout for its shard, which cannot match the unsplit model's masks; allowed: "
+                               "dropout=false, or parallel.tp=1")
     return config
 
 

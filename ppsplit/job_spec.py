@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ppsplit.config_values import (boolean, choice, get, integer, mapping, number, opt_integer, plain,
                                     text)
+from ppsplit.debug import DEFECTS, DRIVER_PHASES, PAUSE_MODES
 from ppsplit.errors import PpsplitError
 from ppsplit.schedules import SCHEDULES, RankPlan, plan_ranks
 from ppsplit.tasks import TASKS, class_from_pretrained, task_of
@@ -86,6 +87,9 @@ class DebugSpec:
     crash_mode: str = "raise"
     check_ties: bool = False
     return_state: bool = False
+    pause_at: str | None = None  # a driver phase to wait in (see ppsplit.debug.pause)
+    pause_mode: str = "sleep"
+    defect: str | None = None  # a defect the ranks inject (see ppsplit.debug.DEFECTS)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class JobSpec:
     tie_tolerance: float
     timeout_s: float
     seq_lens: tuple[int, ...] = ()  # per-step sequence lengths, cycled; () : every step at seq_len
+    dropout: bool = False  # keep the model's dropout (masks aligned with the unsplit model's)
 
     @property
     def plan(self) -> RankPlan:
@@ -211,7 +216,8 @@ def from_config(cfg, overrides=None) -> JobSpec:
                    launcher=launcher, optimizer=optimizer, parallel=parallel, checkpoint=checkpoint,
                    debug=debug, stages=stages, microbatches=microbatches, batch_size=batch_size,
                    seq_len=seq_len, seed=seed, steps=steps, tolerance=tolerance,
-                   tie_tolerance=tie_tolerance, timeout_s=timeout_s, seq_lens=seq_lens or ())
+                   tie_tolerance=tie_tolerance, timeout_s=timeout_s, seq_lens=seq_lens or (),
+                   dropout=boolean("dropout", get(cfg, "dropout", False)))
     if spec.steps == 0 and checkpoint.save:
         raise PpsplitError("checkpoint.save=true with steps=0: nothing is trained; allowed: steps >= 1")
     if checkpoint.hf and not checkpoint.save:
@@ -347,6 +353,10 @@ def _debug_spec(cfg) -> DebugSpec:
         crash_mode=choice("debug.crash_mode", get(cfg, "debug.crash_mode", "raise"), CRASH_MODES),
         check_ties=boolean("debug.check_ties", get(cfg, "debug.check_ties", False)),
         return_state=boolean("debug.return_state", get(cfg, "debug.return_state", False)),
+        pause_at=None if get(cfg, "debug.pause_at") is None else
+        choice("debug.pause_at", get(cfg, "debug.pause_at"), DRIVER_PHASES),
+        pause_mode=choice("debug.pause_mode", get(cfg, "debug.pause_mode", "sleep"), PAUSE_MODES),
+        defect=None if get(cfg, "debug.defect") is None else choice("debug.defect", get(cfg, "debug.defect"), DEFECTS),
     )
 
 

@@ -78,10 +78,15 @@ class Launcher:
     asked for at once and its pid read when needed, so a driver goes on while the launcher
     finishes its imports."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ppsplit.local_ranks", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+    def __init__(self, fork: bool = False):
+        """``fork``: fork it from this process, which must not have run a torch operation yet
+        (it then needs no imports of its own); else start it as a new interpreter."""
+        if fork:
+            self.proc = _ForkedServer()
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ppsplit.local_ranks", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         self.ready = False  # its imports are done: it answers within milliseconds
         self._lock = threading.Lock()
         self._changed = threading.Condition()
@@ -126,14 +131,16 @@ class Launcher:
             except (OSError, ValueError):
                 raise LauncherGone("the local rank launcher has ended") from None
 
-    def submit(self, module: str, args: list[str], env: dict, log: str) -> int:
-        """Ask for a process that runs ``module.forked(args)`` with ``env``, its output to
-        ``log``; returns the request's id (see :meth:`pid`)."""
+    def submit(self, module: str, args: list[str], env: dict, log: str, errors: str | None = None,
+               cwd: str | None = None) -> int:
+        """Ask for a process that runs ``module.forked(args)`` with ``env`` in ``cwd`` (default:
+        this one's), its output to ``log`` (its errors too, unless ``errors`` names another
+        file); returns the request's id (see :meth:`pid`)."""
         with self._lock:
             self._next += 1
             ident = self._next
-        self._write({"start": ident, "module": module, "args": args, "env": env, "cwd": os.getcwd(),
-                     "log": log})
+        self._write({"start": ident, "module": module, "args": args, "env": env, "cwd": cwd or os.getcwd(),
+                     "log": log, "errors": errors or log})
         return ident
 
     def pid(self, ident: int, wait_s: float = 0.0) -> int | None:
@@ -159,10 +166,15 @@ class Launcher:
             return -signal.SIGKILL  # its launcher is gone, and the kernel killed it with it
         return status
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """End the launcher (and so whatever it started that still runs)."""
         with contextlib.suppress(OSError, ValueError):
             self.proc.stdin.close()
+        if not self.ready:  # still importing: it has forked nothing, and would not read its pipe yet
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+        if not wait:
+            return
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         if self.proc.poll() is None:
@@ -170,26 +182,92 @@ class Launcher:
             self.proc.wait()
 
 
+class _ForkedServer:
+    """A launcher forked from this process (the part of ``subprocess.Popen`` that is used)."""
+
+    def __init__(self):
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(from_parent)
+                os.close(from_child)
+                _serve_forked(parent, to_child, to_parent)
+            finally:
+                os._exit(0)
+        os.close(to_child)
+        os.close(to_parent)
+        self.pid = pid
+        self.stdin = os.fdopen(from_parent, "wb", buffering=0)
+        self.stdout = os.fdopen(from_child, "rb", buffering=0)
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+                if done:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired("ppsplit launcher", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _serve_forked(parent: int, commands: int, replies: int) -> None:
+    """In a launcher forked from its driver: drop what belongs to the driver, then serve."""
+    import logging
+
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    logging.root.handlers.clear()  # the driver's log files are not ours to write
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    serve(parent, commands, os.fdopen(replies, "wb", buffering=0))
+
+
 _LAUNCHER: Launcher | None = None
 _LAUNCHER_LOCK = threading.Lock()
+_FORK_OK = False  # this process has run no torch operation yet: a launcher may be forked from it
+
+
+def allow_fork() -> None:
+    """Called first thing by the command line: the next launcher is forked from this process,
+    which has imported torch by then but run nothing (so the fork is safe), instead of being
+    started as a new interpreter that imports torch and transformers again."""
+    global _FORK_OK
+    _FORK_OK = True
 
 
 def launcher() -> Launcher:
     """This process's launcher, started on first use (or again, if it ended)."""
-    global _LAUNCHER
+    global _LAUNCHER, _FORK_OK
     with _LAUNCHER_LOCK:
         if _LAUNCHER is None or not _LAUNCHER.alive():
-            _LAUNCHER = Launcher()
+            fork, _FORK_OK = _FORK_OK, False  # once: the driver computes after this
+            _LAUNCHER = Launcher(fork=fork)
         return _LAUNCHER
 
 
-def shutdown_launcher(which: Launcher | None = None) -> None:
-    """End this process's launcher (``which``: only if it is that one). It also ends by itself
-    when this process does."""
+def shutdown_launcher(which: Launcher | None = None, wait: bool = True) -> None:
+    """End this process's launcher (``which``: only if it is that one); ``wait=False`` only tells
+    it to end. It also ends by itself when this process does."""
     global _LAUNCHER
     with _LAUNCHER_LOCK:
         if _LAUNCHER is not None and which in (None, _LAUNCHER):
-            _LAUNCHER.close()
+            _LAUNCHER.close(wait)
             _LAUNCHER = None
 
 
@@ -236,7 +314,7 @@ class LocalProcesses:
         """SIGTERM to every rank's process group, SIGKILL to what is left after KILL_AFTER_S.
         A launcher still busy with its imports has forked nothing yet: it is ended instead."""
         if not self.launcher.ready and any(self._pid(r) is None for r in range(len(self._requests))):
-            shutdown_launcher(self.launcher)
+            shutdown_launcher(self.launcher, wait=False)
         with contextlib.suppress(LauncherGone):
             self.pids(wait_s=KILL_AFTER_S)  # forks asked for and under way
         for sig, wait in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, 5.0)):
@@ -246,6 +324,14 @@ class LocalProcesses:
             end = time.monotonic() + wait
             while time.monotonic() < end and self._running():
                 time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL every rank at once, and end the launcher (which kills what it forked since)."""
+        for pid in self._running():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError):
+            self.launcher.proc.stdin.close()
 
     def finished(self) -> None:
         end = time.monotonic() + 10
@@ -265,16 +351,21 @@ def _become(message: dict, launcher_pid: int) -> None:
         if os.getppid() != launcher_pid:
             os._exit(75)
         log = os.open(message["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        errors = log if message["errors"] == message["log"] else \
+            os.open(message["errors"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
-        os.dup2(log, 2)
+        os.dup2(errors, 2)
         os.closerange(3, 65536)  # the launcher's pipes among them: its driver sees their end
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
         os.chdir(message["cwd"])
         os.environ.clear()
         os.environ.update(message["env"])
+        import logging
+
+        logging.root.handlers.clear()
         import io
 
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
@@ -300,13 +391,10 @@ def _become(message: dict, launcher_pid: int) -> None:
         os._exit(code)
 
 
-def serve(parent_pid: int) -> None:
-    """The launcher: import, then fork a process for each request until the pipe closes or
-    ``parent_pid`` is gone. (Not tied to its parent by the kernel: that ties it to the thread
-    that started it, and a run may come from any thread.)"""
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)  # whatever an import prints must not reach the protocol
+def serve(parent_pid: int, commands: int, out) -> None:
+    """The launcher: import, then fork a process for each request read from ``commands`` until
+    that pipe closes or ``parent_pid`` is gone; replies go to ``out``. (Not tied to its parent by
+    the kernel: that ties it to the thread that started it, and a run may come from any thread.)"""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the driver stops its ranks, then ends this process
     import importlib
@@ -319,13 +407,13 @@ def serve(parent_pid: int) -> None:
         _send(out, {"ready": True})
         me = os.getpid()
         while True:
-            ready, _, _ = select.select([0], [], [], 0.05)
+            ready, _, _ = select.select([commands], [], [], 0.05)
             _reap(children, out)
             if os.getppid() != parent_pid:
                 return
             if not ready:
                 continue
-            message = _recv(0)
+            message = _recv(commands)
             if message is None:
                 return
             if "import" in message:
@@ -368,5 +456,15 @@ def _reap(children: set[int], out) -> None:
             _send(out, {"exit": pid, "status": os.waitstatus_to_exitcode(status)})
 
 
+def _serve_new() -> None:
+    """A launcher started as its own interpreter: commands on stdin, replies on a copy of stdout."""
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # whatever an import prints must not reach the protocol
+    serve(int(sys.argv[1]), 0, out)
+
+
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    try:
+        _serve_new()
+    finally:
+        os._exit(0)  # at once: tearing down torch and transformers takes a second or more

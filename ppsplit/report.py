@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -103,9 +104,11 @@ def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tole
     if numerics is None:
         lines.append("numerics: not checked in the driver (model.init=meta: it holds no weights)")
     else:
-        lines.append(f"numerics: {'passed' if numerics.ok(tolerance) else 'FAILED'}: "
+        ok = numerics.ok(tolerance)
+        lines.append(f"numerics: {'passed' if ok else 'FAILED'}: "
                      f"forward {numerics.forward_max_abs_diff:.2e}, loss {numerics.loss_abs_diff:.2e}, "
-                     f"grad {numerics.grad_max_abs_diff:.2e} (tolerance {tolerance:g})")
+                     f"grad {numerics.grad_max_abs_diff:.2e} (tolerance {tolerance:g} of each tensor's scale)"
+                     + ("" if ok else f"\n  first past its bound: {numerics.worst(tolerance).describe()}"))
     return "\n".join(lines)
 
 
@@ -142,21 +145,32 @@ def strict(value):
     return value
 
 
-def write_json(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (a crash leaves no half-written report) as strict
-    JSON (a non-finite number is null), readable by all (0644)."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """A temporary name beside ``path`` to write to; it becomes ``path`` (mode 0644) only when
+    the block ends without an error, so a crash or a signal leaves no half-written file."""
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-", suffix=".json")
+    stem, ext = os.path.splitext(os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}-", suffix=ext)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(strict(data), f, indent=2, sort_keys=False, allow_nan=False)
-            f.write("\n")
+        yield tmp
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically as strict JSON (a non-finite number is null),
+    readable by all (0644)."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(strict(data), f, indent=2, sort_keys=False, allow_nan=False)
+        f.write("\n")
 
 
 def format_run(run: dict) -> str:
@@ -174,6 +188,10 @@ def format_run(run: dict) -> str:
         f"run ({where}): {'passed' if run['ok'] else 'FAILED'}: {run['steps']} steps, {against}",
         "  losses:    " + ", ".join(f"{x:.6f}" for x in run["losses"]),
     ]
+    m = run.get("mismatch")
+    if m:
+        lines.insert(1, f"  first past its bound: {m['kind']} {m['name']}: off by {m['max_abs_diff']:.2e} at "
+                        f"scale {m['scale']:.2e} (allowed {m['bound']:.2e})")
     if run["reference_losses"] is not None:
         lines.append("  reference: " + ", ".join(f"{x:.6f}" for x in run["reference_losses"]))
     for tie in run["ties"]:

@@ -23,16 +23,12 @@ import torch.distributed as dist
 
 from ppsplit import build
 from ppsplit.control import RankChannel
+from ppsplit.debug import inject_crash, perturb_one_weight, repeat_first_microbatch
 from ppsplit.job_spec import JobSpec
 from ppsplit.schedules import SCHEDULES, stages_of_rank
 from ppsplit.stage_code import adopt_tensors, retarget_devices, same_kind
 from ppsplit.ties import TieSync
 from ppsplit.trace_split import split as split_model
-
-
-class InjectedBaseException(BaseException):
-    """``debug.crash_mode=base``: an error that is not an ``Exception`` (as torch's
-    ``CheckpointException`` is not)."""
 
 
 def median_after_first(times: list[float]) -> float | None:
@@ -124,8 +120,8 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     pp_group = mesh["pp"].get_group() if mesh is not None else None
     meta = m.init == "meta"
     channel.report("building the model")
-    model = build.build_on_meta(m.class_name, m.config, m.pretrained) if meta else \
-        build.build_model(m.class_name, m.config, m.pretrained, spec.seed)
+    model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout) if meta else \
+        build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
     loss_fn = build.loss_fn(m.loss)
     config = model.config
 
@@ -204,13 +200,26 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     replicas = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 and not layout.fsdp else None
     debug = spec.debug
     keeper = dp_rank == 0 and tp_rank == 0  # the rank of its stages that sends their full tensors
+    tied_keys = {k for g in split.tie_groups for k in g}
+    if debug.defect == "perturbed_weight" and 0 in mine:
+        perturb_one_weight(modules[0], tied_keys)
 
     losses, times, first_grads, diverged = [], [], {}, None
+    masks = None
+    if spec.dropout:
+        from ppsplit.dropout import MaskSeeds
+
+        masks = MaskSeeds(spec.seed, first_microbatch=dp_rank * spec.microbatches)
+        masks.on_stages(modules)
     for step in range(start_step, start_step + spec.steps):
         channel.report("step", step - start_step)
+        if masks is not None:
+            masks.start_step(step)
         if debug.crash_rank == rank and debug.crash_step == step - start_step:
             inject_crash(debug.crash_mode, rank, step - start_step)
         batch = batch_for(step)
+        if debug.defect == "repeated_microbatch":
+            batch = repeat_first_microbatch(batch, spec.microbatches)
         args = split.flat_inputs(batch.args, batch.kwargs) if 0 in mine else ()
         kwargs = {}
         mb_losses: list[torch.Tensor] = []
@@ -221,7 +230,10 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         schedules[spec.seq_len_at(step)].step(*(a.to(device) for a in args), **kwargs)
         if replicas is not None:
             average_grads(modules, replicas, layout.dp)
-        ties.sum_grads()
+        if debug.defect == "dropped_stage_grad" and n_stages - 1 in mine:
+            modules[n_stages - 1].zero_grad(set_to_none=False)
+        if debug.defect != "unsynced_tie":
+            ties.sum_grads()
         loss = torch.stack([l.detach().float() for l in mb_losses]).mean().item() if mb_losses else None
         diverged = check_finite(step - start_step, loss, modules, device)
         if diverged is not None:
@@ -240,9 +252,9 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
             losses.append(loss)
         channel.step_done(step - start_step, loss)
 
-    tied_keys = {k for g in split.tie_groups for k in g}
     final = full_tensors(((k, v) for i in mine for k, v in modules[i].state_dict().items()), keeper)
-    state = {k: v for k, v in final.items() if debug.return_state or k in tied_keys}
+    # every trained tensor goes to the driver's comparison when it trains a reference (not on meta)
+    state = {k: v for k, v in final.items() if debug.return_state or k in tied_keys or not meta}
     if launch.get("checkpoint_dir") and diverged is None:
         channel.report("saving the checkpoint")
         ckpt.save(launch["checkpoint_dir"], modules, optimizers, hf=launch.get("hf_dir"),
@@ -305,16 +317,6 @@ def average_grads(modules: dict, group, size: int) -> None:
                 local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(local, group=group)
                 local.div_(size)
-
-
-def inject_crash(mode: str, rank: int, step: int) -> None:
-    if mode == "exit":
-        os._exit(3)  # a rank that dies without a word
-    if mode == "hang":
-        time.sleep(24 * 3600)  # a rank that never answers
-    if mode == "base":
-        raise InjectedBaseException(f"injected BaseException on rank {rank} at step {step}")
-    raise RuntimeError(f"injected crash on rank {rank} at step {step}")
 
 
 def first_non_finite(named_params) -> str | None:
@@ -419,14 +421,16 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, optimizer_spec,
-                     after_backward=None, load: tuple | None = None, on_step=None) -> dict:
+                     after_backward=None, load: tuple | None = None, on_step=None, masks=None) -> dict:
     """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as the
     schedules do: mean of the microbatch losses, then ``after_backward``, then one optimizer step.
     Stops at the first step with a non-finite loss or gradient (``diverged``).
 
     ``modules`` are what holds the parameters; gradients of the first step and the final state
     are returned by FQN, per module. ``load``: (checkpoint folder, the module whose FQNs key it,
-    tie groups) to resume from, at the step it reached.
+    tie groups) to resume from, at the step it reached. ``masks``: the
+    :class:`~ppsplit.dropout.MaskSeeds` whose hooks ``forward`` carries (dropout masks drawn
+    alike in the stages and the unsplit model).
     """
     from ppsplit import checkpoint as ckpt
 
@@ -436,10 +440,13 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
     if load is not None:
         folder, holder, tie_groups = load
         start_step = ckpt.load(folder, {0: holder}, {0: optimizer}, tie_groups)
+    initial = {k: v.detach().clone() for m in modules for k, v in m.state_dict().items()}
     losses, times, first_grads, diverged = [], [], [], None
     for step in range(start_step, start_step + steps):
         start = time.perf_counter()
         total = 0.0
+        if masks is not None:
+            masks.start_step(step)
         for mb in batch_for(step).microbatches(microbatches):
             loss = loss_fn(forward(*mb.args, **mb.kwargs), mb.labels)
             (loss / microbatches).backward()
@@ -471,6 +478,7 @@ def train_in_process(forward, modules, batch_for, steps, microbatches, loss_fn, 
         "step_time_s": median_after_first(times),
         "first_grads": first_grads,
         "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules],
+        "initial": initial,
         "optimizer": optimizer,
         "start_step": start_step,
     }

@@ -65,6 +65,9 @@ class SlurmJob:
             with contextlib.suppress(Exception):
                 self.job.cancel(check=False)
 
+    def kill(self) -> None:
+        self.cancel()
+
     def finished(self) -> None:
         pass
 

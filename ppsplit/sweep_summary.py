@@ -64,9 +64,12 @@ def _md(column: str, value) -> str:
 
 
 def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
+    """summary.csv, summary.md and summary.png in the sweep folder, each written whole or not at all."""
+    from ppsplit.report import atomic_path
+
     sweep = Path(sweep_dir)
     rows = [summary_row(p) for p in point_dirs(sweep)]
-    with open(sweep / "summary.csv", "w", newline="") as f:
+    with atomic_path(sweep / "summary.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -74,8 +77,10 @@ def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
     for row in rows:
         cells = [_md(c, row[c]).replace("|", "\\|") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    (sweep / "summary.md").write_text("\n".join(lines) + "\n")
-    plot(rows, sweep / "summary.png")
+    with atomic_path(sweep / "summary.md") as tmp:
+        Path(tmp).write_text("\n".join(lines) + "\n")
+    with atomic_path(sweep / "summary.png") as tmp:
+        plot(rows, tmp)
     return rows
 
 
@@ -143,9 +148,21 @@ class SweepSummary(Callback):
         _FAILED.clear()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from ppsplit.debug import pause
+        from ppsplit.dispatch import Interrupted, install_signal_handlers, restore_signal_handlers, say_interrupted
+
         sweep_dir = config.hydra.sweep.dir
         if os.path.isdir(sweep_dir):
-            rows = write_summary(sweep_dir)
+            handlers = install_signal_handlers()  # a stop signal ends the summary within the bound
+            try:
+                pause("summary", OmegaConf.select(config, "debug.pause_at"),
+                      OmegaConf.select(config, "debug.pause_mode") or "sleep")
+                rows = write_summary(sweep_dir)  # each file whole or not at all
+            except Interrupted as err:
+                say_interrupted(err.signum)
+                os._exit(128 + err.signum)
+            finally:
+                restore_signal_handlers(handlers)
             _FAILED[:] = [r["point"] for r in rows if r["check"] != "passed"]
             failed = f"; {len(_FAILED)} failed: {', '.join(_FAILED)}" if _FAILED else ""
             print(f"ppsplit: sweep summary of {len(rows)} point(s){failed}: {os.path.join(sweep_dir, 'summary.md')}")

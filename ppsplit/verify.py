@@ -3,6 +3,7 @@ ties stay ties, values are the original's, and the chained stages compute what t
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from dataclasses import asdict, dataclass, field
@@ -10,6 +11,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ppsplit.tolerance import (DRIFT, Difference, Tolerance, scalar_difference, tensor_difference,
+                               worst)
 from ppsplit.trace_split import Split
 
 
@@ -97,16 +100,30 @@ def declared_ties_not_found(model: torch.nn.Module, groups) -> list[str]:
 
 @dataclass
 class Numerics:
+    """The chained stages against the unsplit model on the same microbatches: the largest
+    differences (for the report) and every compared value with its scale, so that
+    :meth:`ok` applies the rule of :mod:`ppsplit.tolerance` at any ``rtol``."""
     forward_max_abs_diff: float
     loss_abs_diff: float
     grad_max_abs_diff: float
     worst_grad: str
+    items: list = field(default_factory=list, repr=False)  # (name, kind, max abs diff, scale)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {"forward_max_abs_diff": self.forward_max_abs_diff, "loss_abs_diff": self.loss_abs_diff,
+                "grad_max_abs_diff": self.grad_max_abs_diff, "worst_grad": self.worst_grad}
 
-    def ok(self, tol: float = 1e-5) -> bool:
-        return max(self.forward_max_abs_diff, self.loss_abs_diff, self.grad_max_abs_diff) <= tol
+    def differences(self, rtol: float = 1e-5) -> list[Difference]:
+        tol = Tolerance(rtol)
+        return [Difference(name, kind, diff, scale, tol.bound(scale) if math.isfinite(scale) else 0.0)
+                for name, kind, diff, scale in self.items]
+
+    def ok(self, rtol: float = 1e-5) -> bool:
+        """Every output, the loss and every gradient within ``rtol`` of the tensor's scale."""
+        return all(d.ok for d in self.differences(rtol))
+
+    def worst(self, rtol: float = 1e-5) -> Difference | None:
+        return worst(self.differences(rtol))
 
 
 def verify_numerics(
@@ -114,12 +131,14 @@ def verify_numerics(
     split: Split,
     microbatches: Sequence,
     loss_fn: Callable,
+    masks=None,
 ) -> Numerics:
     """Forward, loss and gradients of the chained stages against the unsplit model.
 
     Each microbatch is run separately and the loss is their mean, as the pipeline schedules do.
     A tied tensor's gradient is summed over the stages that hold it before comparing. Gradients
-    of ``model`` and of the stages are overwritten.
+    of ``model`` and of the stages are overwritten. ``masks`` (a :class:`ppsplit.dropout.MaskSeeds`)
+    draws a model's dropout masks alike on both sides.
     """
     # The stages may share the model's tensors: take the model's gradients first, then clear
     # them and take the stages'.
@@ -127,23 +146,21 @@ def verify_numerics(
         module.zero_grad(set_to_none=True)
     n = len(microbatches)
     ref_outs, ref_loss = [], 0.0
-    for mb in microbatches:
-        out = model(*mb.args, **mb.kwargs)
-        loss = loss_fn(out, mb.labels) / n
-        loss.backward()
-        ref_outs.append(out)
-        ref_loss += loss.item()
+    with _masks_drawn(masks, model=model, points=split.points):
+        for mb in microbatches:
+            out = model(*mb.args, **mb.kwargs)
+            loss = loss_fn(out, mb.labels) / n
+            loss.backward()
+            ref_outs.append(out)
+            ref_loss += loss.item()
     ref_grads = {k: None if p.grad is None else p.grad.clone()
                  for k, p in model.named_parameters(remove_duplicate=False)}
     for module in (model, *split.stages):
         module.zero_grad(set_to_none=True)
-    fwd_diff, split_loss = 0.0, 0.0
-    for mb, ref_out in zip(microbatches, ref_outs):
-        out = split(*mb.args, **mb.kwargs)
-        fwd_diff = max(fwd_diff, _max_abs_diff(ref_out, out))
-        loss = loss_fn(out, mb.labels) / n
-        loss.backward()
-        split_loss += loss.item()
+    with _masks_drawn(masks, stages=split.stages):
+        items, split_loss = _run_split(split, microbatches, ref_outs, loss_fn, n)
+    items.append(("loss", "loss", abs(ref_loss - split_loss) if math.isfinite(split_loss) else math.inf,
+                  abs(ref_loss)))
 
     # A tied tensor's gradient is summed over the distinct tensors the stages hold for it.
     group_of = {k: g for g in split.tie_groups for k in g}
@@ -157,83 +174,145 @@ def verify_numerics(
         grads = [p.grad for p in tensors.values() if p.grad is not None]
         if grads:
             summed[key] = torch.stack(grads).sum(0)
-    grad_diff, worst = 0.0, ""
+    grad_diff, worst_grad = 0.0, ""
     for key, ref in ref_grads.items():
         got = summed.get(key)
         if ref is None and got is None:
             continue
         ref = torch.zeros_like(got) if ref is None else ref
         got = torch.zeros_like(ref) if got is None else got
-        diff = (ref - got).abs().max().item() if ref.numel() else 0.0
-        if diff > grad_diff:
-            grad_diff, worst = diff, key
-    return Numerics(fwd_diff, abs(ref_loss - split_loss), grad_diff, worst)
+        d = tensor_difference(key, "gradient", got, ref, Tolerance(0.0))
+        items.append((key, "gradient", d.max_abs_diff, d.scale))
+        if d.max_abs_diff > grad_diff:
+            grad_diff, worst_grad = d.max_abs_diff, key
+    fwd = max((diff for _, kind, diff, _ in items if kind == "output"), default=0.0)
+    return Numerics(fwd, items_of(items, "loss")[0][2], grad_diff, worst_grad, items)
 
 
-def _max_abs_diff(a, b) -> float:
+def _run_split(split, microbatches, ref_outs, loss_fn, n):
+    items, split_loss = [], 0.0
+    for k, (mb, ref_out) in enumerate(zip(microbatches, ref_outs)):
+        out = split(*mb.args, **mb.kwargs)
+        items += _output_items(k, ref_out, out)
+        loss = loss_fn(out, mb.labels) / n
+        loss.backward()
+        split_loss += loss.item()
+    return items, split_loss
+
+
+@contextlib.contextmanager
+def _masks_drawn(masks, model=None, points=(), stages=()):
+    """Within the block, ``masks`` seeds each stage's start (in ``stages``, or at ``points`` of
+    ``model``), from step 0."""
+    if masks is None:
+        yield
+        return
+    masks.start_step(0)
+    handles = masks.on_model(model, list(points)) if model is not None else masks.on_stages(dict(enumerate(stages)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def items_of(items, kind):
+    return [item for item in items if item[1] == kind]
+
+
+def _output_items(k: int, a, b) -> list[tuple]:
     la = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
     lb = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
     if len(la) != len(lb):
-        return float("inf")
-    return max(((x.detach().float() - y.detach().float()).abs().max().item() for x, y in zip(la, lb)),
-               default=0.0)
+        return [(f"microbatch {k} outputs", "output", math.inf, math.nan)]
+    out = []
+    for i, (want, got) in enumerate(zip(la, lb)):
+        d = tensor_difference(f"microbatch {k} output {i}", "output", got, want, Tolerance(0.0))
+        out.append((d.name, d.kind, d.max_abs_diff, d.scale))
+    return out
 
 
-def compare_training(reference: dict, losses: Sequence[float], first_grads: Sequence[dict],
+def compare_training(reference: dict | None, losses: Sequence[float], first_grads: Sequence[dict],
                      states: Sequence[dict], tie_groups: Sequence[Sequence[str]],
-                     loss_rtol: float = 1e-5, grad_atol: float = 1e-5, tie_atol: float = 1e-6) -> dict:
-    """Compare a pipelined training run with the unsplit model's (:func:`train_in_process`).
+                     computed: Tolerance = Tolerance(1e-5), trained: Tolerance = Tolerance(1e-4, drift=DRIFT),
+                     initial: dict | None = None) -> dict:
+    """Compare a pipelined training run with the unsplit model's (:func:`train_in_process`),
+    by the rule of :mod:`ppsplit.tolerance`: each step's loss and the first step's gradients at
+    ``computed``, every trained tensor and every tied copy at ``trained``; the copies of a tie
+    must also be bitwise equal.
 
     ``first_grads`` and ``states`` hold, per stage or rank, tensors by original FQN: the
     gradients of the first step (after tied gradients were summed) and the final values.
     Without a ``reference`` (a model too large for the driver), only the ties and the losses'
-    finiteness are checked.
+    finiteness are checked. ``initial``: the reference's tensors before training (the drift
+    term of a trained tensor's bound).
     """
     ref_state = reference["state"][0] if reference is not None else None
+    initial = initial or {}
+    tied = {k for group in tie_groups for k in group}
+    differences: list[Difference] = []
     ties = []
     for group in tie_groups:
         copies = [(key, state[key]) for state in states for key in group if key in state]
         if not copies:
             continue
         first = copies[0][1]
+        bitwise = all(torch.equal(first, t) for _, t in copies)
+        vs_ref = None if ref_state is None else [
+            tensor_difference(k, "tie copy", t, ref_state.get(k), trained, initial.get(k)) for k, t in copies]
+        if not bitwise:
+            differences.append(Difference(group[0], "tie copy", math.inf, math.nan, 0.0))
+        differences += vs_ref or []
         ties.append({
             "keys": list(group),
             "copies": len(copies),
-            "copies_bitwise_equal": all(torch.equal(first, t) for _, t in copies),
-            "max_abs_diff_vs_reference": None if ref_state is None else max(
-                (t.float() - ref_state[k].float()).abs().max().item() for k, t in copies),
+            "copies_bitwise_equal": bitwise,
+            "max_abs_diff_vs_reference": None if vs_ref is None else max(d.max_abs_diff for d in vs_ref),
         })
     if reference is None:
         ok = all(math.isfinite(x) for x in losses) and all(t["copies_bitwise_equal"] for t in ties)
         return {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
-                "grad_max_abs_diff": None, "worst_grad": "", "ties": ties, "ok": ok}
+                "grad_max_abs_diff": None, "worst_grad": "", "ties": ties, "ok": ok,
+                "mismatch": None if ok else _mismatch(differences)}
 
     ref_losses = reference["losses"]
+    if len(losses) != len(ref_losses):
+        differences.append(Difference(f"(steps: {len(losses)} against {len(ref_losses)})", "loss",
+                                      math.inf, math.nan, 0.0))
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        differences.append(scalar_difference(f"at step {step + 1}", "loss", got, want, computed))
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)]
     # max() skips a NaN that is not first: any non-finite value fails the comparison
     max_rel = (max(rel, default=0.0) if len(losses) == len(ref_losses) and all(map(math.isfinite, rel))
                else float("inf"))
 
     ref_grads = reference["first_grads"][0] if reference["first_grads"] else {}
-    grad_diff, worst = 0.0, ""
+    grad_diff, worst_grad = 0.0, ""
     for grads in first_grads:
         for key, grad in grads.items():
-            ref = ref_grads.get(key)
-            diff = float("inf") if ref is None else (grad.float() - ref.float()).abs().max().item()
-            if not math.isfinite(diff):
-                diff = float("inf")
-            if diff > grad_diff:
-                grad_diff, worst = diff, key
-
-    ok = (max_rel <= loss_rtol and grad_diff <= grad_atol and
-          all(t["copies_bitwise_equal"] and math.isfinite(t["max_abs_diff_vs_reference"])
-              and t["max_abs_diff_vs_reference"] <= tie_atol for t in ties))
+            d = tensor_difference(key, "gradient", grad, ref_grads.get(key), computed)
+            differences.append(d)
+            if not math.isfinite(d.max_abs_diff) or d.max_abs_diff > grad_diff:
+                grad_diff, worst_grad = d.max_abs_diff if math.isfinite(d.max_abs_diff) else math.inf, key
+    for state in states:
+        for key, value in state.items():
+            if key not in tied and ref_state is not None:
+                differences.append(tensor_difference(key, "trained tensor", value, ref_state.get(key), trained,
+                                                     initial.get(key)))
+    ok = all(d.ok for d in differences)
     return {
         "losses": list(losses),
         "reference_losses": list(ref_losses),
         "max_loss_rel_diff": max_rel,
         "grad_max_abs_diff": grad_diff,
-        "worst_grad": worst,
+        "worst_grad": worst_grad,
         "ties": ties,
         "ok": ok,
+        "mismatch": None if ok else _mismatch(differences),
     }
+
+
+def _mismatch(differences: list[Difference]) -> dict | None:
+    """The first failing value, for the report: the furthest past its bound."""
+    d = worst(differences)
+    return None if d is None or d.ok else {**d.as_dict(), "tie_copy": d.kind == "tie copy"}

@@ -13,7 +13,7 @@ LAUNCHERS = ("inline", "local", "slurm")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--model", choices=MODELS + MORE_MODELS, default=None,
+    parser.addoption("--model", choices=MODELS + MORE_MODELS + ("hf",), default=None,
                      help="run only the model-parametrized tests of this model (the CI matrix)")
     parser.addoption("--launcher", choices=LAUNCHERS, default=None,
                      help="run only the launcher-parametrized tests of this launcher")
@@ -63,8 +63,11 @@ def cfg_for():
     return _compose
 
 
-def run_cli(*args, cwd, timeout=300, env=None):
-    """Run ``python -m ppsplit`` as a user would; returns the CompletedProcess."""
+from forked_cli import ForkedCli, run_cli  # noqa: E402,F401  (the command line, forked: see forked_cli)
+
+
+def run_real_cli(*args, cwd, timeout=300, env=None):
+    """Run ``python -m ppsplit`` as its own interpreter, as a user would."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "ppsplit", *args], cwd=cwd, capture_output=True, text=True,

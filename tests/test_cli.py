@@ -1,6 +1,7 @@
 """The command line as a user meets it: the main job, and one-line errors for bad input."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -68,10 +69,46 @@ def test_bad_input_exits_2_with_one_line_and_no_run_folder(tmp_path, overrides, 
     assert not run_dir.exists()
 
 
-def test_unknown_group_option_gets_hydras_message(tmp_path):
-    proc = run_cli("model=gpt3", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "Could not find 'model/gpt3'" in proc.stderr and "Traceback" not in proc.stderr
+MISTAKES = [
+    (["stagess=2"], "stagess=2: no such key (did you mean stages"),
+    (["parallel.dpp=2"], "parallel.dpp=2: no such key (did you mean parallel.dp"),
+    (["schedule=nosuch"], "schedule=nosuch is not known; allowed: 1f1b, dualpipev, gpipe"),
+    (["launcher=mpi"], "launcher=mpi is not known; allowed: inline, local, slurm"),
+    (["model=gpt3"], "model=gpt3 is not known; allowed: albert, bart, bert, gpt2, hf, llama"),
+    (["-m", "model=gpt2,gpt3"], "model=gpt3 is not known"),
+    (["model.config.newkey=3"], "model.config has no key 'newkey'"),
+    (["model.config.newkey=3"], "a new key needs +: +model.config.newkey=3"),
+    (["+stages=3"], "+stages=3: stages exists already; allowed: stages=3"),
+    (["checkpoint.dir=/tmp/my", "dir"], "a value with a space needs quotes: 'checkpoint.dir=/tmp/my dir'"),
+    (["stages=[1"], "'stages=[1' does not parse"),
+]
+
+
+@pytest.mark.parametrize("argv,expect", MISTAKES, ids=[" ".join(m[0]) for m in MISTAKES])
+def test_every_mistake_on_the_command_line_is_one_line(argv, expect):
+    from ppsplit.cli import CONF_DIR
+    from ppsplit.overrides import check_command_line
+
+    with pytest.raises(PpsplitError) as info:
+        check_command_line(argv, CONF_DIR)
+    assert expect in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["stagess=2"], ["-m", "schedule=nosuch"], ["checkpoint.dir=/tmp/my", "dir"]])
+def test_a_mistake_hydra_would_report_exits_2_with_one_line_and_no_folder(tmp_path, argv):
+    proc = run_cli(*argv, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ppsplit: error: "), lines
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_good_command_line_passes_the_check():
+    from ppsplit.cli import CONF_DIR
+    from ppsplit.overrides import check_command_line
+
+    check_command_line(["-m", "model=gpt2,llama", "stages=2,4", "+model.config.new=1", "split=manual",
+                        "split.points=[transformer.h.1]", "hydra.run.dir=/tmp/x y"], CONF_DIR)
 
 
 def test_pretrained_local_folder_loads_real_weights(tmp_path):

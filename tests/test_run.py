@@ -173,7 +173,7 @@ def test_a_hanging_rank_is_named_with_its_step(tmp_path):
     with pytest.raises(CheckFailed) as info:
         run(cfg, str(tmp_path))
     message = str(info.value)
-    assert message.startswith("no progress for timeout_s=15: rank 0 in step 2/3 at ppsplit/run_rank.py"), message
+    assert message.startswith("no progress for timeout_s=15: rank 0 in step 2/3 at ppsplit/debug.py:"), message
     assert "rank(s) 1 wait on it" in message
     assert time.monotonic() - start < 60
     assert processes_gone(tmp_path)

@@ -5,14 +5,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from ppsplit import CheckFailed
 from ppsplit.cli import run
-from conftest import run_cli
+from conftest import ForkedCli, run_cli
 from helpers import compose_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +55,7 @@ def test_slurm_rank_crash_is_named(tmp_path, launcher):
 def test_slurm_hung_rank_is_named_and_the_job_cancelled(tmp_path, launcher):
     cfg = compose_cfg("model=gpt2", "launcher=slurm", "debug.crash_rank=0", "debug.crash_step=0",
                       "debug.crash_mode=hang", "timeout_s=20")
-    with pytest.raises(CheckFailed, match=r"no progress for timeout_s=20: rank 0 in step 1/3 at ppsplit/run_rank.py"):
+    with pytest.raises(CheckFailed, match=r"no progress for timeout_s=20: rank 0 in step 1/3 at ppsplit/debug.py:\d+ in inject_crash"):
         run(cfg, str(tmp_path))
     job_id = [l for l in os.listdir(tmp_path / "submitit") if l.endswith("_submission.sh")]
     deadline = time.monotonic() + 30
@@ -83,11 +82,8 @@ def test_slurm_sweep_runs_points_as_concurrent_jobs(tmp_path, launcher):
 
 
 def start_driver(run_dir, *overrides):
-    return subprocess.Popen(
-        [sys.executable, "-m", "ppsplit", "launcher=slurm", "steps=100000", f"hydra.run.dir={run_dir}", *overrides],
-        cwd=os.path.dirname(run_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
+    return ForkedCli(["launcher=slurm", "steps=100000", f"hydra.run.dir={run_dir}", *overrides],
+                     cwd=os.path.dirname(run_dir))
 
 
 @pytest.mark.parametrize("launcher", ["slurm"])

@@ -1,0 +1,112 @@
+"""When a result counts as the unsplit model's: one rule for every comparison ppsplit makes.
+
+A value ``got`` (a stage output, a loss, a gradient, a trained tensor, a tied copy) matches the
+unsplit model's ``want`` when
+
+    max |got - want|  <=  atol + rtol * scale,    scale = max |want|
+
+over the whole tensor (for a loss, the loss itself). This is ``torch.testing``'s rule with the
+scale taken per tensor, not per element: float32 rounding in a sum is relative to the terms
+summed, and an element that is a near-cancelling sum (a gradient close to zero, a tied gradient
+summed from four stages in another order) carries the rounding of its terms, not of its own
+small size. ``atol`` is only a floor for a tensor that is zero throughout.
+
+Two levels, both from the config:
+
+- ``tolerance`` (rtol, default 1e-5: about 80 float32 units in the last place) for what one
+  forward and backward compute: stage outputs, losses, gradients.
+- ``tie_tolerance`` (rtol, default 1e-4) for tensors after optimizer steps (each trained
+  parameter, and every copy of a tied one), plus 1e-2 of how far training moved the tensor
+  (``max |want - initial|``): an adaptive optimizer divides each gradient by its own running
+  size, so an entry whose gradient is near zero turns a rounding-level difference into a
+  visible part of its update (measured: a zero-initialised GPT2 bias after 3 AdamW steps, 1.1e-6
+  apart at a movement of 3e-3). The first step's gradients are compared at ``tolerance``, and
+  they are where a wrong pipeline shows first.
+
+What the rule still catches, by tests that inject each: a tied copy left unsynchronised
+(copies that differ at all fail, and their gradients are off by a whole stage's share), one
+stage's gradient dropped, a microbatch processed twice (its loss is off by about 1/m), and a
+1e-3 change of one weight (a trained tensor off by 1e-3 against a bound near 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ATOL_FLOOR = 1e-8  # for a tensor that is zero throughout
+
+
+DRIFT = 1e-2  # of a trained tensor's movement (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float = ATOL_FLOOR
+    drift: float = 0.0  # of how far training moved the tensor
+
+    def bound(self, scale: float, moved: float = 0.0) -> float:
+        return self.atol + self.rtol * scale + self.drift * moved
+
+
+@dataclass
+class Difference:
+    """How far one value is from the unsplit model's, against its bound."""
+    name: str  # the FQN (or "loss at step K", "forward output K")
+    kind: str  # "output", "loss", "gradient", "trained tensor" or "tie copy"
+    max_abs_diff: float
+    scale: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.max_abs_diff) and self.max_abs_diff <= self.bound
+
+    @property
+    def excess(self) -> float:
+        """How many bounds away: above 1 fails."""
+        if not math.isfinite(self.max_abs_diff):
+            return math.inf
+        return self.max_abs_diff / self.bound if self.bound > 0 else (math.inf if self.max_abs_diff else 0.0)
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "max_abs_diff": self.max_abs_diff, "scale": self.scale,
+                "bound": self.bound, "ok": self.ok}
+
+    def describe(self) -> str:
+        return (f"{self.kind} {self.name}: off by {self.max_abs_diff:.2e} at scale {self.scale:.2e} "
+                f"(allowed {self.bound:.2e})")
+
+
+def tensor_difference(name: str, kind: str, got, want, tol: Tolerance, initial=None) -> Difference:
+    """``got`` against ``want`` (tensors of one shape, or None for a missing one); ``initial``:
+    the tensor before training, for the drift term of a trained tensor's bound."""
+    if got is None or want is None or tuple(got.shape) != tuple(want.shape):
+        return Difference(name, kind, math.inf, math.nan, 0.0)
+    if not want.numel():
+        return Difference(name, kind, 0.0, 0.0, tol.bound(0.0))
+    g, w = got.detach().float(), want.detach().float()
+    diff = (g - w).abs().max().item()
+    scale = w.abs().max().item()
+    moved = 0.0
+    if initial is not None and tol.drift and tuple(initial.shape) == tuple(want.shape):
+        moved = (w - initial.detach().float()).abs().max().item()
+    if not (math.isfinite(scale) and math.isfinite(moved)):
+        return Difference(name, kind, math.inf, scale, 0.0)
+    return Difference(name, kind, diff if math.isfinite(diff) else math.inf, scale, tol.bound(scale, moved))
+
+
+def scalar_difference(name: str, kind: str, got: float, want: float, tol: Tolerance) -> Difference:
+    if got is None or want is None or not (math.isfinite(got) and math.isfinite(want)):
+        return Difference(name, kind, math.inf, math.nan if want is None else abs(want), 0.0)
+    return Difference(name, kind, abs(got - want), abs(want), tol.bound(abs(want)))
+
+
+def worst(differences) -> Difference | None:
+    """The failing difference furthest past its bound, else the closest to it (None if none)."""
+    differences = list(differences)
+    if not differences:
+        return None
+    failing = [d for d in differences if not d.ok]
+    return max(failing or differences, key=lambda d: d.excess)
