@@ -39,7 +39,7 @@ torch.set_num_threads(1)
 mode, config, stages, seq, rank = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 from ppsplit import build
 import ppsplit
-from ppsplit.run_rank import peak_rss_bytes as rss  # VmHWM: ru_maxrss would carry the parent's peak
+from ppsplit.stage_state import peak_rss_bytes as rss  # VmHWM: ru_maxrss would carry the parent's peak
 model = build.build_on_meta("LlamaForCausalLM", config)
 ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
 kwargs = {"return_dict": False, "use_cache": False}
@@ -54,7 +54,7 @@ elif mode == "pipeline":
     from torch.distributed.pipelining import SplitPoint, pipeline
     pipeline(model, mb_args=(ids,), mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
 elif mode == "rank":
-    from ppsplit.run_rank import materialize_stages
+    from ppsplit.stage_state import materialize_stages
     split = ppsplit.split(model, (ids,), kwargs, points=points)
     before = rss()
     stage = materialize_stages(model, split, [rank], 0, None, torch.device("cpu"))[rank]
@@ -67,8 +67,27 @@ print(json.dumps({"seconds": elapsed, "peak_rss": rss(), "rss_before": before}))
 """
 
 
+_PREFETCHED: dict = {}
+
+
+def _prefetch(calls) -> None:
+    """Quick mode (a smoke test, not a measurement): run these children two at a time ahead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        for key, result in zip(calls, pool.map(lambda c: _run_child(*c), calls)):
+            _PREFETCHED.setdefault(key, []).append(result)
+
+
 def child(mode: str, config: dict, stages: int, seq: int = 128, rank: int = 0) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, json.dumps(config), str(stages), str(seq), str(rank)],
+    ready = _PREFETCHED.get((mode, json.dumps(config), stages, seq, rank))
+    if ready:
+        return ready.pop()
+    return _run_child(mode, json.dumps(config), stages, seq, rank)
+
+
+def _run_child(mode: str, config: str, stages: int, seq: int, rank: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, config, str(stages), str(seq), str(rank)],
                          capture_output=True, text=True, timeout=1800,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if out.returncode != 0:
@@ -95,6 +114,11 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
     data: dict = {"quick": quick, "threads_per_process": 1}
     shapes = [("llama-tiny", TINY, 2)] if quick else [("llama-7B", LLAMA_7B, 4), ("llama-70B", LLAMA_70B, 8)]
     repeats = 1 if quick else 3
+    if quick:
+        tiny = json.dumps(TINY)
+        _prefetch([("ppsplit", tiny, 2, 128, 0), ("pipeline", tiny, 2, 128, 0),
+                   ("ppsplit", json.dumps(dict(TINY, num_hidden_layers=2)), 2, 128, 0), ("ppsplit", tiny, 2, 128, 0),
+                   ("rank", tiny, 2, 128, 0), ("rank", tiny, 2, 128, 1)])
     rows = []
     data["driver"] = {}
     for name, config, stages in shapes:

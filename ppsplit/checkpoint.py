@@ -19,7 +19,8 @@ def check_resumable(folder: str, model) -> dict:
     if missing:
         raise PpsplitError(f"checkpoint.load={folder!r} lacks {len(missing)} of the model's keys "
                            f"({', '.join(missing[:3])}...); allowed: a checkpoint of the same model config")
-    return {"checkpoint": folder, "step": int(meta["step"])}
+    return {"checkpoint": folder, "step": int(meta["step"]),
+            "next_sample": (meta.get("data") or {}).get("next_sample")}
 
 
 def state_of(modules, optimizers) -> dict:

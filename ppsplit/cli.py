@@ -69,7 +69,7 @@ class RunFolder:
     never a folder that existed before, nor anything another run or the user put there."""
 
     HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
-    OWN = ("ranks", "submitit", "report.json", "error.json")
+    OWN = ("ranks", "submitit", "report.json", "error.json", "metrics.csv", "loss.png", "tensorboard")
 
     def __init__(self, path: str, job_name: str):
         self.path = os.path.abspath(path)

@@ -95,7 +95,7 @@ class RankChannel:
                  driver_pid: int | None = None):
         self.token, self.rank, self.driver_pid = token, rank, driver_pid
         self.phase, self.step, self.progress, self.completed = "starting", None, 0, 0
-        self.losses: dict[str, float] = {}  # step (as a JSON key) -> loss, the last few
+        self.recent: dict[str, dict] = {}  # step (as a JSON key) -> its loss and metrics, the last few
         self._main = threading.main_thread()
         self._stop = threading.Event()
         self.store = _store(host, port, timeout_s=timeout_s)  # the main thread's: rendezvous, errors, done
@@ -119,14 +119,14 @@ class RankChannel:
         self.phase, self.step = phase, step
         self.progress += 1
 
-    def step_done(self, step: int, loss: float | None) -> None:
-        """Step ``step`` (0-based) finished; ``loss``: its loss, on a rank of the last stage (the
-        last few are kept, so the driver can average the data-parallel ranks at one step)."""
+    def step_done(self, step: int, loss: float | None, metrics: dict | None = None) -> None:
+        """Step ``step`` (0-based) finished; ``loss``: its loss, on a rank of the last stage;
+        ``metrics``: what else the step measured (lr, grad norm, seconds). The last few steps
+        are kept, so the driver can average the data-parallel ranks at one step."""
         self.completed = step + 1
-        if loss is not None:
-            self.losses[str(step)] = loss
-            for old in list(self.losses)[:-RECENT_LOSSES]:
-                del self.losses[old]
+        self.recent[str(step)] = {"loss": loss, **(metrics or {})}
+        for old in list(self.recent)[:-RECENT_LOSSES]:
+            del self.recent[old]
         self.progress += 1
 
     def where(self) -> tuple[str, bool]:
@@ -148,7 +148,7 @@ class RankChannel:
         where, waiting = self.where()
         self._beats += 1
         beat = {"beat": self._beats, "progress": self.progress, "phase": self.phase, "step": self.step,
-                "completed": self.completed, "losses": dict(self.losses), "where": where, "waiting": waiting, "pid": os.getpid(),
+                "completed": self.completed, "recent": dict(self.recent), "where": where, "waiting": waiting, "pid": os.getpid(),
                 "host": socket.gethostname()}
         self._beat_store.set(self._key("beat", self.rank), json.dumps(beat))
 

@@ -29,33 +29,16 @@ import glob
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ppsplit.build import IGNORE, Batch, make_batch
 from ppsplit.errors import PpsplitError
+from ppsplit.train_spec import DataSpec
 
-KINDS = ("synthetic", "text", "jsonl", "parquet")
 LOADERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}
 MASK_RATE = 0.15
 FORMAT = 1  # of the packed cache file
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    name: str = "synthetic"
-    path: tuple[str, ...] = ()  # files or globs, as given
-    field: str = "text"
-    tokenizer: str | None = None
-    val_fraction: float = 0.05
-    cache_dir: str | None = None
-    sample_by: str = "paragraph"  # text files: what one document is (paragraph, line or document)
-
-    @property
-    def real(self) -> bool:
-        return self.name != "synthetic"
 
 
 def files_of(spec: DataSpec) -> list[str]:
@@ -129,7 +112,7 @@ def cache_folder(spec: DataSpec) -> str:
 
 
 def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, vocab_size: int,
-            progress: bool = True) -> str:
+            progress: bool = True, batch_size: int = 0) -> str:
     """Tokenize and pack the corpus once (or find it packed already); returns the cache file the
     ranks read. Refuses, in one line, what cannot train: no files, an empty corpus, a missing
     field, a tokenizer that does not load or is larger than the model's vocabulary."""
@@ -141,8 +124,19 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
                            f"vocab_size={vocab_size}; allowed: model.config.vocab_size >= {len(tokenizer)}")
     separator = separator_of(tokenizer)
     path = os.path.join(cache_folder(spec), f"packed-{fingerprint(spec, files, folder, seq_len, seed)}.npz")
-    if os.path.isfile(path):
-        return path
+    if not os.path.isfile(path):
+        _pack_corpus(spec, files, tokenizer, separator, seq_len, seed, path, progress, folder)
+    if batch_size:
+        with np.load(path) as f:
+            held_out = len(f["val"])
+        if held_out < batch_size:
+            raise PpsplitError(f"data.val_fraction={spec.val_fraction:g}: the held-out documents fill {held_out} "
+                               f"block(s) of seq_len={seq_len}, fewer than one batch (batch_size={batch_size}); "
+                               "allowed: a larger fraction or corpus, or eval.batches=0")
+    return path
+
+
+def _pack_corpus(spec, files, tokenizer, separator, seq_len, seed, path, progress, folder) -> None:
     docs = _documents(spec, files, tokenizer, progress)
     order = np.random.default_rng([seed, 7]).permutation(len(docs))
     n_val = int(round(spec.val_fraction * len(docs))) if spec.val_fraction > 0 else 0
@@ -164,7 +158,6 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
             np.savez(f, train=train, val=val, meta=np.array(json.dumps(
                 {"files": files, "tokenizer": folder, "documents": len(docs), "val_documents": n_val,
                  "mask_token_id": tokenizer.mask_token_id, "unk_token_id": tokenizer.unk_token_id})))
-    return path
 
 
 def _documents(spec: DataSpec, files: list[str], tokenizer, progress: bool) -> list[np.ndarray]:
@@ -276,25 +269,27 @@ def _random_tokens(ids, sample_ids, seed, vocab):
 
 class BatchSource:
     """Every batch of a job, the same in the driver, the ranks and the reference: ``batch(i)``
-    is the global batch of the ``i``-th forward-backward batch of the run (a step accumulates
-    several), ``validation()`` the held-out batches."""
+    is the global batch with index ``i`` in the training stream (a step of ``grad_accumulation``
+    batches takes several), ``validation()`` the held-out batches. ``first_index`` and
+    ``first_sample``: where a resumed run's stream stands (batch index and sample)."""
 
-    def __init__(self, spec, config, cache_file: str | None = None, first_sample: int = 0):
+    def __init__(self, spec, config, cache_file: str | None = None, first_index: int = 0,
+                 first_sample: int | None = None):
         self.spec, self.config = spec, config
-        self.first_sample = first_sample  # where the stream stands at this run's first batch
+        self.first_index = first_index
+        self.first_sample = first_index * spec.batch_size if first_sample is None else first_sample
         self.blocks = TokenBlocks(cache_file, spec.seed) if cache_file else None
 
     def batch(self, index: int, seq_len: int | None = None) -> Batch:
         spec, m = self.spec, self.spec.model
         if self.blocks is None:
-            return make_batch(m.inputs, self.config, spec.batch_size, seq_len or spec.seq_len_at(index), spec.seed,
+            return make_batch(m.inputs, self.config, spec.batch_size, seq_len or spec.seq_len, spec.seed,
                               step=index, call_kwargs=m.call_kwargs)
-        tokens, sample_ids = self.blocks.samples(self.first_sample + index * spec.batch_size, spec.batch_size)
-        return self._inputs(tokens, sample_ids)
+        return self._inputs(*self.blocks.samples(self.sample_of(index), spec.batch_size))
 
-    def next_sample(self, batches: int) -> int:
-        """The stream's position after ``batches`` batches of this run."""
-        return self.first_sample + batches * self.spec.batch_size
+    def sample_of(self, index: int) -> int:
+        """The first sample of batch ``index``."""
+        return self.first_sample + (index - self.first_index) * self.spec.batch_size
 
     def validation(self, count: int) -> list[Batch]:
         """Up to ``count`` held-out batches of ``batch_size`` (synthetic: batches of a stream of

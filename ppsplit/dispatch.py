@@ -62,8 +62,11 @@ class Ranks:
     """The ranks of one run: started by :meth:`start`, watched by a monitor thread, stopped on
     leaving the ``with`` block unless they finished."""
 
-    def __init__(self, spec: JobSpec, run_dir: str, progress=None):
+    def __init__(self, spec: JobSpec, run_dir: str, progress=None, on_step=None):
+        """``on_step(k, loss, lr, grad_norm, time_s, val_loss)``: called from the monitor for each
+        step the ranks finish, in order, with what their heartbeats carried (the metrics log)."""
         self.spec = spec
+        self.on_step = on_step
         self.world = spec.world_size
         self.folder = os.path.join(run_dir, "ranks")
         from ppsplit.report import Progress
@@ -207,9 +210,13 @@ class Ranks:
 
     def _finish(self) -> None:
         self.results = self._load_results()
-        done = max((len(r["losses"]) for r in self.results), default=0)
+        done = max((len(r["step_times_s"]) for r in self.results), default=0)
         if done > self._reported_step:
-            self.progress.step(done, self.spec.steps, _mean_last_loss(self.results))
+            spec, last = self.spec, done - 1
+            time_s = max(r["step_times_s"][-1] for r in self.results)
+            tokens = spec.batch_size * spec.seq_len_at(last) * spec.train.grad_accumulation
+            self.progress.step(done, spec.steps, loss=_mean_last_loss(self.results), lr=self.results[0]["lrs"][-1],
+                               tokens_per_s=tokens / time_s if time_s else None)
         self._done.set()
 
     def _stalled(self, seen: "_Seen", now: float) -> str | None:
@@ -269,11 +276,29 @@ class Ranks:
             return
         completed = min(b.get("completed") or 0 for b in self._beats.values())
         if completed > self._reported_step:
+            for k in range(self._reported_step, completed):
+                measured = self.step_metrics(k)
+                if self.on_step is not None and "time_s" in measured:
+                    self.on_step(k, **measured)
             self._reported_step = completed
-            # the global batch's loss: the mean over the ranks of the last stage at that step
-            losses = [b["losses"][str(completed - 1)] for b in self._beats.values()
-                      if str(completed - 1) in (b.get("losses") or {})]
-            self.progress.step(completed, self.spec.steps, sum(losses) / len(losses) if losses else None)
+            spec = self.spec
+            tokens = spec.batch_size * spec.seq_len_at(completed - 1) * spec.train.grad_accumulation
+            measured = self.step_metrics(completed - 1)
+            self.progress.step(completed, spec.steps, tokens_per_s=tokens / measured["time_s"]
+                               if measured.get("time_s") else None, **measured)
+
+    def step_metrics(self, step: int) -> dict:
+        """What the ranks measured at ``step`` (0-based), as far as their heartbeats still carry
+        it: the global batch's loss (the mean over the ranks of the last stage), the learning
+        rate, the gradient norm, the slowest rank's seconds, and the validation loss if taken."""
+        seen = [b["recent"][str(step)] for b in self._beats.values() if str(step) in (b.get("recent") or {})]
+        if not seen:
+            return {"loss": None}
+        losses = [s["loss"] for s in seen if s.get("loss") is not None]
+        vals = [s["val_loss"] for s in seen if s.get("val_loss") is not None]
+        return {"loss": sum(losses) / len(losses) if losses else None, "lr": seen[0].get("lr"),
+                "grad_norm": seen[0].get("grad_norm"), "time_s": max(s.get("time_s") or 0.0 for s in seen),
+                "val_loss": sum(vals) / len(vals) if vals else None}
 
     def _stall_message(self) -> str:
         t = self.spec.timeout_s

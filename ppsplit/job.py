@@ -1,21 +1,20 @@
-"""The main job, step by step: build, trace and split, verify, run, report."""
+"""The main job, step by step: validate, build, prepare the data, trace and split, start the
+ranks, verify, train and compare with the unsplit model (:mod:`ppsplit.train_compare`), save,
+report."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import socket
 import time
 
 from ppsplit import build, report
 from ppsplit.debug import pause
-from ppsplit.report import Progress
 from ppsplit.errors import PpsplitError
 from ppsplit.job_checks import validate
 from ppsplit.job_spec import JobSpec
 from ppsplit.plan import balance, stage_costs
-from ppsplit.tolerance import DRIFT, Tolerance
+from ppsplit.report import Progress
 from ppsplit.trace_split import split as split_model
 from ppsplit.verify import verify_fqns, verify_numerics
 
@@ -23,7 +22,7 @@ from ppsplit.verify import verify_fqns, verify_numerics
 def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) -> int:
     say = progress or Progress(enabled=False)
     m = spec.model
-    validate(spec)
+    config = validate(spec)
     target = None
     if spec.checkpoint.save:
         from ppsplit.checkpoint_folder import Target
@@ -33,6 +32,12 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         from ppsplit.slurm_ranks import check_slurm_controller
 
         check_slurm_controller(spec.launcher.partition, spec.launcher.nodes)
+    resume = None
+    if spec.checkpoint.load:
+        from ppsplit.checkpoint import check_resumable
+
+        resume = check_resumable(spec.checkpoint.load, build.build_on_meta(m.class_name, m.config, m.pretrained))
+    data_file = _prepare_data(spec, config, say)
 
     started_at = time.time()
     if spec.launcher.name == "local" and spec.steps > 0:
@@ -57,13 +62,11 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         say(f"model.config over {m.pretrained}/config.json: "
             + ", ".join(f"{k}={v!r}" for k, v in m.config.items()))
     loss_fn = build.loss_fn(m.loss)
-    config = model.config
+    from ppsplit.data import BatchSource
 
-    def batch_for(step):
-        return build.make_batch(m.inputs, config, spec.batch_size, spec.seq_len_at(step), spec.seed,
-                                step=step, call_kwargs=m.call_kwargs)
-
-    microbatches = batch_for(0).microbatches(spec.microbatches * spec.parallel.dp)
+    first_index = (resume["step"] if resume else 0) * spec.train.grad_accumulation
+    source = BatchSource(spec, model.config, data_file, first_index, resume and resume.get("next_sample"))
+    microbatches = source.batch(first_index).microbatches(spec.microbatches * spec.parallel.dp)
     example = microbatches[0].to("meta") if meta else microbatches[0]
     pause("trace", spec.debug.pause_at, spec.debug.pause_mode)
     split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
@@ -74,32 +77,36 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         from ppsplit.layout import check_tensor_parallel
 
         check_tensor_parallel(split, model, m.tp_plan, spec.parallel.tp)  # refused before any rank starts
-    resume = None
-    if spec.checkpoint.load:
-        from ppsplit.checkpoint import check_resumable
-
-        resume = check_resumable(spec.checkpoint.load, model)
     sizes = f" for sequence lengths {spec.dynamic['seq'][0]} to {spec.dynamic['seq'][1]}" if spec.dynamic else ""
     say.phase("split", f"traced and split into {len(split)} stages at {', '.join(split.points) or '(none)'}{sizes}")
 
     try:
         with contextlib.ExitStack() as stack:
             ranks = None
+            costs = stage_costs(split, spec.microbatches)
             if spec.distributed and spec.steps > 0:
                 # Start the ranks first: the driver checks the split while they build their stages.
                 from ppsplit import dispatch
 
-                ranks = stack.enter_context(dispatch.Ranks(spec, output_dir, say))
+                log = _metrics_log(spec, output_dir, costs, resume)
+                stack.callback(log.close)
+                ranks = stack.enter_context(dispatch.Ranks(spec, output_dir, say, on_step=log.record))
                 staging = target.stage(os.urandom(4).hex()) if target else None
                 ranks.start({"checkpoint_dir": staging, "load_dir": spec.checkpoint.load,
-                             "hf_dir": os.path.join(staging, "hf") if staging and spec.checkpoint.hf else None})
+                             "hf_dir": os.path.join(staging, "hf") if staging and spec.checkpoint.hf else None,
+                             "data_file": data_file, "first_index": source.first_index,
+                             "first_sample": source.first_sample})
             pause("check", spec.debug.pause_at, spec.debug.pause_mode)
             fqn = verify_fqns(model, split)
-            numerics = None if meta else verify_numerics(model, split, microbatches, loss_fn, masks)
+            numerics = None
+            if not meta:
+                from ppsplit.training import precision_context
+
+                with precision_context(spec.train.precision, "cpu"):  # as the ranks will compute
+                    numerics = verify_numerics(model, split, microbatches, loss_fn, masks)
             say.phase("verify", "checked the FQNs" + ("" if meta else " and the numerics"))
             if ranks is not None:
                 ranks.say_started()
-            costs = stage_costs(split, spec.microbatches)
             rows = report.stage_rows(split, costs)
             balance_of = {kind: balance(values) for kind, values in costs.items()}
             numerics_ok = numerics is None or numerics.ok(spec.tolerance)
@@ -107,15 +114,21 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
                                        fqn, numerics, spec.tolerance), flush=True)
             run = None
             if spec.steps > 0:
-                if ranks is None and target:
-                    target.stage(os.urandom(4).hex())
-                run = train_and_compare(spec, model, split, batch_for, loss_fn, ranks, target, say, resume, masks)
+                from ppsplit.train_compare import train_and_compare
+
+                if ranks is None:
+                    log = _metrics_log(spec, output_dir, costs, resume)
+                    stack.callback(log.close)
+                    if target:
+                        target.stage(os.urandom(4).hex())
+                run = train_and_compare(spec, model, split, source, loss_fn, ranks, target, say, resume, masks, log)
                 print(report.format_run(run), flush=True)
         ok = fqn.ok and numerics_ok and (run is None or run["ok"])
         if target:
             if ok:
                 pause("save", spec.debug.pause_at, spec.debug.pause_mode)
-                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume), config, m.class_name)
+                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume, source), model.config,
+                                                  m.class_name)
                 say(f"checkpoint: {run['checkpoint']}")
             else:
                 target.discard()
@@ -139,6 +152,7 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         "numerics": ({"skipped": "model.init=meta"} if numerics is None else
                      {**numerics.as_dict(), "ok": numerics_ok, "tolerance": spec.tolerance,
                       "mismatch": None if numerics_ok else _as_mismatch(numerics.worst(spec.tolerance))}),
+        "data": _data_section(spec, data_file),
         "run": run,
         "timings_s": dict(say.marks),
         "started_at": started_at,
@@ -152,17 +166,54 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
     return 0 if ok else 1
 
 
-def checkpoint_meta(spec: JobSpec, split, resume: dict | None = None) -> dict:
-    """What ``ppsplit.json`` records beside a checkpoint: where training stands and how it was laid out."""
+def _prepare_data(spec: JobSpec, config, say) -> str | None:
+    """Tokenize and pack a corpus once, before any rank starts (refusing what cannot train)."""
+    if not spec.data.real or spec.steps == 0:
+        return None
+    from ppsplit.data import prepare
+
+    path = prepare(spec.data, spec.model.pretrained, spec.seq_len, spec.seed, config.vocab_size,
+                   progress=say.enabled, batch_size=spec.batch_size if spec.eval.batches else 0)
+    say.phase("data", f"data: {os.path.basename(path)} ({spec.data.name}, packed into blocks of {spec.seq_len})")
+    return path
+
+
+def _data_section(spec: JobSpec, data_file: str | None) -> dict:
+    d = spec.data
+    out = {"name": d.name}
+    if data_file:
+        from ppsplit.data import TokenBlocks
+
+        blocks = TokenBlocks(data_file, spec.seed)
+        out.update(path=list(d.path), field=d.field, tokenizer=blocks.meta.get("tokenizer"), cache=data_file,
+                   documents=blocks.meta.get("documents"), val_documents=blocks.meta.get("val_documents"),
+                   train_blocks=int(len(blocks.train)), val_blocks=int(len(blocks.val)), seq_len=spec.seq_len)
+    return out
+
+
+def _metrics_log(spec: JobSpec, output_dir: str, costs: dict, resume):
+    from ppsplit.metrics import MetricsLog, matmul_peak
+
+    ranks = spec.world_size if spec.distributed else 1
+    flops = sum(costs["flops"]) * spec.parallel.dp * spec.train.grad_accumulation  # the global batch's
+    return MetricsLog(output_dir, spec, flops, matmul_peak(spec.launcher.cpus_per_task), ranks,
+                      first_step=resume["step"] if resume else 0)
+
+
+def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source) -> dict:
+    """What ``ppsplit.json`` records beside a checkpoint: where training stands (the step, the
+    data stream's next batch and sample) and how it was laid out."""
     step = (resume["step"] if resume else 0) + spec.steps
+    next_index = step * spec.train.grad_accumulation
     return {
         "model": spec.model.name,
         "model_class": spec.model.class_name,
         "step": step,
         "resumed_from": resume,
-        "data": {"seed": spec.seed, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
-                 "seq_lens": list(spec.seq_lens),
-                 "microbatches": spec.microbatches, "next_step": step},
+        "data": {"name": spec.data.name, "path": list(spec.data.path), "seed": spec.seed,
+                 "batch_size": spec.batch_size, "seq_len": spec.seq_len, "seq_lens": list(spec.seq_lens),
+                 "microbatches": spec.microbatches, "next_step": step, "next_batch": next_index,
+                 "next_sample": source.sample_of(next_index)},
         "optimizer": spec.optimizer,
         "layout": {"stages": len(split), "split_points": split.points, "schedule": spec.schedule,
                    "dp": spec.parallel.dp, "tp": spec.parallel.tp},
@@ -188,138 +239,5 @@ def _dropout(spec: JobSpec, say):
     return MaskSeeds(spec.seed)
 
 
-def train_and_compare(spec: JobSpec, model, split, batch_for, loss_fn, ranks, target, say, resume=None,
-                      masks=None) -> dict:
-    """Train the stages (in this process, or on the ranks) and the unsplit model on the same data
-    and steps, and compare them."""
-    from ppsplit.run_rank import tensor_digest, train_in_process
-    from ppsplit.ties import TieSync
-    from ppsplit.verify import compare_training
-
-    results = None
-    reference_model = model
-    global_mbs = spec.microbatches * spec.parallel.dp  # the unsplit model sees every rank's microbatches
-    load = spec.checkpoint.load
-    if ranks is None:  # inline: the chained stages in this process, ties summed locally
-        # The stages share the model's tensors; train the unsplit reference on a copy.
-        reference_model = copy.deepcopy(model)
-        modules = dict(enumerate(split.stages))
-        ties = TieSync(split.tie_groups, split.stage_keys, modules, {i: 0 for i in modules}, 0)
-        say(f"training {spec.steps} step(s) inline")
-        handles = masks.on_stages(modules) if masks is not None else []
-        pipelined = train_in_process(split, split.stages, batch_for, spec.steps, spec.microbatches,
-                                     loss_fn, spec.optimizer, after_backward=ties.sum_grads,
-                                     load=(load, model, split.tie_groups) if load else None,
-                                     on_step=lambda done, loss: say.step(done, spec.steps, loss), masks=masks)
-        for handle in handles:
-            handle.remove()
-        losses, first_grads, states = pipelined["losses"], pipelined["first_grads"], pipelined["state"]
-        diverged = pipelined["diverged"]
-        step_time = pipelined["step_time_s"]
-        step_times = pipelined["step_times_s"]
-        digests = {k: tensor_digest(v) for st in split.stages for k, v in st.state_dict().items()}
-        if target and diverged is None:
-            from ppsplit import checkpoint
-
-            # The stages share the model's tensors, and the optimizer holds them once.
-            checkpoint.save(target.staging, {0: model}, {0: pipelined["optimizer"]},
-                            hf=os.path.join(target.staging, "hf") if spec.checkpoint.hf else None,
-                            tie_groups=split.tie_groups)
-        rank_report, fqn_problems = [], []
-    else:
-        # Wait first: a reference trained meanwhile would take the ranks' CPUs and distort their
-        # step times.
-        pause("train", spec.debug.pause_at, spec.debug.pause_mode)
-        results = sorted(ranks.wait(), key=lambda r: r["rank"])
-        keepers = [r for r in results if r["keeper"]]
-        last = len(split.stages) - 1
-        per_dp = [r["losses"] for r in results if last in r["stages"] and r["coords"]["tp"] == 0]
-        losses = [sum(xs) / len(xs) for xs in zip(*per_dp)]  # each data-parallel rank's mean, averaged
-        first_grads = [r["first_grads"] for r in keepers]
-        states = [st for r in keepers for st in r["state"].values()]
-        times = [r["step_time_s"] for r in results if r["step_time_s"] is not None]
-        step_time = max(times) if times else None
-        step_times = [max(ts) for ts in zip(*[r["step_times_s"] for r in results])]  # the slowest rank's
-        digests = {k: v for r in keepers for k, v in r["digests"].items()}
-        diverged = _merge_diverged([r["diverged"] for r in results if r["diverged"]])
-        fqn_problems = [f"rank {r['rank']}: {p}" for r in results for p in r["fqn_problems"]]
-        rank_report = [{"rank": r["rank"], **r["coords"], "stages": r["stages"], "host": r["host"],
-                        "pid": r["pid"], "stage_bytes": r["stage_bytes"], "param_bytes": r["param_bytes"],
-                        "optimizer_bytes": r["optimizer_bytes"], "rss_growth_bytes": r["rss_growth_bytes"]}
-                       for r in results]
-    say.phase("train", f"ranks finished {spec.steps} step(s)" if ranks else f"trained {spec.steps} step(s)")
-    if diverged is not None:
-        cmp = {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
-               "grad_max_abs_diff": None, "worst_grad": "", "ties": [], "ok": False, "mismatch": None}
-    else:
-        if any(p.is_meta for p in model.parameters()):
-            # The unsplit reference needs the whole model in memory: only when it is small.
-            m = spec.model
-            size = sum(p.numel() for p in model.parameters())  # a tied tensor once
-            reference_model = (build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
-                               if size <= build.INIT_THRESHOLD_PARAMS else None)
-        handles = masks.on_model(reference_model, split.points) if masks and reference_model is not None else []
-        reference = (None if reference_model is None else
-                     train_in_process(reference_model, [reference_model], batch_for, spec.steps,
-                                      global_mbs, loss_fn, spec.optimizer,
-                                      load=(load, reference_model, split.tie_groups) if load else None,
-                                      masks=masks))
-        for handle in handles:
-            handle.remove()
-        if reference is not None:
-            say.phase("reference", "trained the unsplit reference")
-        cmp = compare_training(reference, losses, first_grads, states, split.tie_groups,
-                               computed=Tolerance(spec.tolerance), trained=Tolerance(spec.tie_tolerance, drift=DRIFT),
-                               initial=reference["initial"] if reference else None)
-        if fqn_problems:
-            cmp["ok"] = False
-    return {
-        "launcher": spec.launcher.name,
-        "schedule": spec.schedule,
-        "mesh": {"pp": spec.plan.ranks if ranks is not None else 1, "dp": spec.parallel.dp,
-                 "tp": spec.parallel.tp, "fsdp": spec.parallel.fsdp and spec.parallel.dp > 1},
-        "ranks": spec.world_size if ranks is not None else 1,
-        "stages_per_rank": spec.plan.stages_per_rank if ranks is not None else len(split.stages),
-        "steps": spec.steps,
-        "resumed_from": resume,
-        "optimizer": spec.optimizer,
-        **cmp,
-        "diverged": diverged,
-        "rank_fqn_problems": fqn_problems,
-        "step_time_s": step_time,
-        "step_times_s": step_times,
-        "checkpoint": None,
-        "final_state_digests": digests,
-        "tie_comm_groups": results[0]["tie_comm_groups"] if results else [],
-        "rank_layout": rank_report,
-        "rank_pids": [r["pid"] for r in results] if results else [],
-        "seq_lens": [spec.seq_len_at(step) for step in range(spec.steps)],
-        "driver_host": socket.gethostname(),
-        "nodes": _nodes(results or []),
-    }
-
-
 def _as_mismatch(d) -> dict | None:
     return None if d is None else {**d.as_dict(), "tie_copy": d.kind == "tie copy"}
-
-
-def _nodes(results: list[dict]) -> dict[str, list[int]]:
-    """Each node's host name and the ranks that ran there, in rank order."""
-    out: dict[str, list[int]] = {}
-    for r in sorted(results, key=lambda r: r["rank"]):
-        out.setdefault(r["host"], []).append(r["rank"])
-    return out
-
-
-def _merge_diverged(seen: list[dict]) -> dict | None:
-    """The ranks' views of one diverged step, as one: the loss from the last stage, the first
-    parameter with a non-finite gradient."""
-    if not seen:
-        return None
-    out = {"step": seen[0]["step"], "loss": None, "non_finite_loss": False, "non_finite_grad": None}
-    for d in seen:
-        if d["loss"] is not None:
-            out["loss"] = d["loss"]
-        out["non_finite_loss"] |= d["non_finite_loss"]
-        out["non_finite_grad"] = out["non_finite_grad"] or d["non_finite_grad"]
-    return out

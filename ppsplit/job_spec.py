@@ -20,6 +20,8 @@ from ppsplit.debug import DEFECTS, DRIVER_PHASES, PAUSE_MODES
 from ppsplit.errors import PpsplitError
 from ppsplit.schedules import SCHEDULES, RankPlan, plan_ranks
 from ppsplit.tasks import TASKS, class_from_pretrained, task_of
+from ppsplit.train_spec import (BF16_TIE_TOLERANCE, BF16_TOLERANCE, DataSpec, EvalSpec, MetricsSpec, TrainSpec,
+                                VerifySpec, data_spec, eval_spec, metrics_spec, train_spec, verify_spec)
 
 STRATEGIES = ("even", "manual", "layers", "params", "flops")
 LAUNCHERS = ("inline", "local", "slurm")
@@ -114,6 +116,11 @@ class JobSpec:
     timeout_s: float
     seq_lens: tuple[int, ...] = ()  # per-step sequence lengths, cycled; () : every step at seq_len
     dropout: bool = False  # keep the model's dropout (masks aligned with the unsplit model's)
+    data: DataSpec = field(default_factory=DataSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    metrics: MetricsSpec = field(default_factory=MetricsSpec)
+    verify: VerifySpec = field(default_factory=VerifySpec)
 
     @property
     def plan(self) -> RankPlan:
@@ -184,8 +191,13 @@ def from_config(cfg, overrides=None) -> JobSpec:
         seq_len = seq_lens[0]  # the example the split is traced at
     seed = integer("seed", get(cfg, "seed"), 0)
     steps = integer("steps", get(cfg, "steps"), 0)
-    tolerance = number("tolerance", get(cfg, "tolerance"))
-    tie_tolerance = number("tie_tolerance", get(cfg, "tie_tolerance"))
+    train = train_spec(cfg, steps)
+    bf16 = train.precision == "bf16"
+    tolerance = get(cfg, "tolerance")
+    tolerance = (BF16_TOLERANCE if bf16 else 1e-5) if tolerance is None else number("tolerance", tolerance)
+    tie_tolerance = get(cfg, "tie_tolerance")
+    tie_tolerance = ((BF16_TIE_TOLERANCE if bf16 else 1e-4) if tie_tolerance is None
+                     else number("tie_tolerance", tie_tolerance))
     timeout_s = number("timeout_s", get(cfg, "timeout_s"), exclusive=True)
 
     model = _model_spec(cfg, overrides)
@@ -217,7 +229,8 @@ def from_config(cfg, overrides=None) -> JobSpec:
                    debug=debug, stages=stages, microbatches=microbatches, batch_size=batch_size,
                    seq_len=seq_len, seed=seed, steps=steps, tolerance=tolerance,
                    tie_tolerance=tie_tolerance, timeout_s=timeout_s, seq_lens=seq_lens or (),
-                   dropout=boolean("dropout", get(cfg, "dropout", False)))
+                   dropout=boolean("dropout", get(cfg, "dropout", False)), data=data_spec(cfg), train=train,
+                   eval=eval_spec(cfg), metrics=metrics_spec(cfg), verify=verify_spec(cfg))
     if spec.steps == 0 and checkpoint.save:
         raise PpsplitError("checkpoint.save=true with steps=0: nothing is trained; allowed: steps >= 1")
     if checkpoint.hf and not checkpoint.save:

@@ -102,15 +102,22 @@ def apply_tensor_parallel(stage: torch.nn.Module, model: torch.nn.Module, flow: 
     apply_rewrites(stage, flow.rewrites, tp_mesh)
 
 
-def apply_fsdp(stage: torch.nn.Module, blocks: list[str], dp_mesh) -> None:
-    """``fully_shard`` each of the stage's blocks, then the stage root, over ``dp_mesh``."""
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(stage: torch.nn.Module, blocks: list[str], dp_mesh, bf16: bool = False) -> None:
+    """``fully_shard`` each of the stage's blocks, then the stage root, over ``dp_mesh``; with
+    ``bf16``, parameters are gathered in bfloat16 and gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from ppsplit.stage_code import drop_dtype_checks
+
+    policy = MixedPrecisionPolicy()
+    if bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        drop_dtype_checks(stage)  # the trace saw float32 where bfloat16 parameters now give bfloat16
     names = {n for n, _ in stage.named_modules()}
     for block in blocks:
         if block in names:
-            fully_shard(stage.get_submodule(block), mesh=dp_mesh)
-    fully_shard(stage, mesh=dp_mesh)
+            fully_shard(stage.get_submodule(block), mesh=dp_mesh, mp_policy=policy)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
 
 
 def local_shape(meta: torch.Tensor, shard: int | None, tp: int) -> torch.Tensor:
@@ -161,7 +168,7 @@ def check_tensor_parallel(split, model: torch.nn.Module, plan: dict | None, tp: 
 
 
 def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | None = None,
-                fsdp: bool = True, flows: list[StageFlow] | None = None) -> torch.nn.Module:
+                fsdp: bool = True, flows: list[StageFlow] | None = None, bf16: bool = False) -> torch.nn.Module:
     """Apply a layout to stage ``index`` of ``split`` on this rank: tensor parallelism over
     ``mesh["tp"]`` with ``plan`` (default: the model's own), then FSDP2 over ``mesh["dp"]``.
     The stage keeps its FQNs. Every rank of the mesh calls this for its stages."""
@@ -172,5 +179,5 @@ def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | No
         apply_tensor_parallel(stage, model, flows[index], mesh["tp"])
     if mesh["dp"].size() > 1 and fsdp:
         blocks = dict.fromkeys(b.partition("@")[0] for b in split.stage_blocks()[index])  # a shared layer once
-        apply_fsdp(stage, list(blocks), mesh["dp"])
+        apply_fsdp(stage, list(blocks), mesh["dp"], bf16)
     return stage

@@ -42,11 +42,15 @@ class Progress:
         self._last = now
         self(f"{line} ({self.marks[name]:.1f} s)")
 
-    def step(self, done: int, total: int, loss: float | None) -> None:
-        """``done`` of ``total`` steps finished; ``loss``: the last one's."""
+    def step(self, done: int, total: int, loss: float | None = None, lr: float | None = None,
+             tokens_per_s: float | None = None, **_measured) -> None:
+        """``done`` of ``total`` steps finished; the last one's loss, learning rate and tokens/s."""
         if not self.enabled:
             return
-        shown = "" if loss is None else f"loss {loss:.6f}"
+        shown = ", ".join(part for part in (
+            None if loss is None else f"loss {loss:.6f}",
+            None if lr is None else f"lr {lr:.3g}",
+            None if not tokens_per_s else f"{tokens_per_s:,.0f} tok/s") if part)
         if self.out.isatty() and not os.environ.get("CI"):
             if self._bar is None:
                 from tqdm import tqdm

@@ -26,6 +26,9 @@ import torch
 from torch import fx
 
 _FLAG = "_run_with_interpreter"
+_METADATA_ASSERTS = tuple(op for op in (getattr(torch.ops.aten, "_assert_tensor_metadata", None),)
+                          if op is not None)
+_METADATA_ASSERTS = tuple(getattr(op, "default", op) for op in _METADATA_ASSERTS)
 
 
 def use_generated_code(module: torch.nn.Module) -> torch.nn.Module:
@@ -47,6 +50,25 @@ def use_generated_code(module: torch.nn.Module) -> torch.nn.Module:
             sub.finalize()
         setattr(sub, _FLAG, False)
     return module
+
+
+def drop_dtype_checks(module: torch.nn.Module) -> int:
+    """Remove export's checks that a value has the traced dtype (``_assert_tensor_metadata``)
+    from every graph of ``module``; returns how many. Under FSDP2 gathering bfloat16 parameters
+    (``train.precision=bf16``) values are legitimately of another dtype; the casts stay."""
+    removed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        checks = [n for n in graph.nodes if n.op == "call_function" and n.target in _METADATA_ASSERTS
+                  and not n.users]
+        for node in checks:
+            graph.erase_node(node)
+        if checks and hasattr(sub, "finalize"):
+            sub.finalize()
+        removed += len(checks)
+    return removed
 
 
 # Fake tensors, functionalization, make_fx's proxies: a tracer that must see the region's ops.

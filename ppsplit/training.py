@@ -104,6 +104,7 @@ class Stepper:
     finite: Callable[[float | None], bool] | None = None  # False stops the run (all ranks agree)
     first_grads: dict = field(default_factory=dict)
     grads_of: Callable[[], dict] | None = None  # the gradients to keep after the first step
+    last_loss: float | None = None
 
     def step(self, k: int) -> StepStats | None:
         """Optimizer step ``k`` of this run; None when a loss or gradient was not finite (the
@@ -112,6 +113,7 @@ class Stepper:
         losses = [self.forward_backward(k * self.accumulation + a) for a in range(self.accumulation)]
         losses = [x for x in losses if x is not None]
         loss = sum(losses) / len(losses) if losses else None
+        self.last_loss = loss
         self.sync()
         norm = self.norm()
         finite = math.isfinite(norm) and (loss is None or math.isfinite(loss))
@@ -129,3 +131,113 @@ class Stepper:
         for schedule in self.schedules:
             schedule.step()
         return StepStats(k, loss, norm, lr, time.perf_counter() - start, coef)
+
+
+def counted_once(tie_groups, stage_keys) -> dict[str, int]:
+    """For each tied key, the one stage whose copy counts in the gradient norm (the first that
+    holds its group); an untied key is counted wherever it is."""
+    owner = {}
+    for group in tie_groups:
+        holders = [s for s, keys in enumerate(stage_keys) if set(keys) & set(group)]
+        for key in group:
+            owner[key] = min(holders) if holders else 0
+    return owner
+
+
+def eval_indices(steps: int, every: int) -> set[int]:
+    """The optimizer steps (from 0) after which the model is evaluated: every ``every`` and the last."""
+    out = {steps - 1} if steps else set()
+    if every:
+        out |= {k for k in range(steps) if (k + 1) % every == 0}
+    return out
+
+
+def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn, after_backward=None,
+                     load: tuple | None = None, on_step=None, masks=None, steps: int | None = None) -> dict:
+    """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as
+    the ranks do (see the module docstring), on ``source``'s batches in ``microbatches`` each.
+
+    ``modules`` hold the parameters; the gradients of the first step, the values before and
+    after training are returned by FQN. ``load``: (checkpoint folder, the module whose FQNs key
+    it, tie groups) to resume from. ``masks``: the dropout seeds whose hooks ``forward`` carries.
+    ``steps``: how many (default: the job's; the reference may run fewer)."""
+    from ppsplit import checkpoint as ckpt
+    from ppsplit.optim import grad_norm, make_lr_schedule, make_optimizer
+    from ppsplit.stage_state import first_non_finite, median_after_first
+
+    steps = spec.steps if steps is None else steps
+    train = spec.train
+    accumulation = train.grad_accumulation
+    named = [(k, p) for m in modules for k, p in m.named_parameters()]
+    optimizer = make_optimizer(spec.optimizer, named)
+    optimizer.zero_grad(set_to_none=True)  # start from no gradients, whatever ran before
+    start_step = 0
+    if load is not None:
+        folder, holder, tie_groups = load
+        start_step = ckpt.load(folder, {0: holder}, {0: optimizer}, tie_groups)
+    schedule = make_lr_schedule(optimizer, train, start_step + spec.steps, start_step)
+    initial = {k: v.detach().clone() for m in modules for k, v in m.state_dict().items()}
+    device_type = next((p.device.type for _, p in named), "cpu")
+
+    def forward_backward(i: int) -> float:
+        total = 0.0
+        batch = source.batch(i)
+        for mb in batch.microbatches(microbatches):
+            with precision_context(train.precision, device_type):
+                loss = loss_fn(forward(*mb.args, **mb.kwargs), mb.labels)
+            (loss / (microbatches * accumulation)).backward()
+            total += loss.item()
+        return total / microbatches
+
+    stepper = Stepper(forward_backward, after_backward or (lambda: None),
+                      lambda: grad_norm(named, lambda _k: True), [p for _, p in named], [optimizer], [schedule],
+                      accumulation, train.clip_grad_norm,
+                      grads_of=lambda: [{k: p.grad.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)
+                                         if p.grad is not None} for m in modules])
+    stats, diverged, val = [], None, []
+    evals = eval_indices(steps, spec.eval.every) if spec.eval.batches else set()
+    for k in range(steps):
+        if masks is not None:
+            masks.start_step(start_step + k)
+        result = stepper.step(k)
+        if result is None:
+            loss = stepper.last_loss
+            bad = first_non_finite((key, p) for m in modules for key, p in m.named_parameters())
+            diverged = {"step": k, "loss": loss, "non_finite_loss": loss is not None and not math.isfinite(loss),
+                        "non_finite_grad": bad}
+            break
+        stats.append(result)
+        if k in evals:
+            val.append({"step": k + 1, "loss": evaluate_in_process(forward, source, spec, microbatches, loss_fn,
+                                                                  device_type, masks, start_step + k)})
+        if on_step is not None:
+            on_step(k + 1, result, val[-1]["loss"] if k in evals else None)
+    times = [s.time_s for s in stats]
+    return {
+        "losses": [s.loss for s in stats],
+        "grad_norms": [s.grad_norm for s in stats],
+        "lrs": [s.lr for s in stats],
+        "val_losses": val,
+        "diverged": diverged,
+        "step_times_s": times,
+        "step_time_s": median_after_first(times),
+        "first_grads": stepper.first_grads or [],
+        "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules],
+        "initial": initial,
+        "optimizer": optimizer,
+        "start_step": start_step,
+    }
+
+
+@torch.no_grad()
+def evaluate_in_process(forward, source, spec, microbatches, loss_fn, device_type, masks=None, step=0) -> float:
+    """The mean loss over the held-out batches, forward only (the ranks run the same batches
+    through the pipeline's forward-only schedule)."""
+    losses = []
+    for j, batch in enumerate(source.validation(spec.eval.batches)):
+        if masks is not None:
+            masks.start_step(-1 - j - 1000 * step)
+        for mb in batch.microbatches(microbatches):
+            with precision_context(spec.train.precision, device_type):
+                losses.append(loss_fn(forward(*mb.args, **mb.kwargs), mb.labels).item())
+    return sum(losses) / len(losses) if losses else math.nan

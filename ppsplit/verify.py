@@ -11,8 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ppsplit.tolerance import (DRIFT, Difference, Tolerance, scalar_difference, tensor_difference,
-                               worst)
+from ppsplit.tolerance import Difference, Tolerance, scalar_difference, tensor_difference, worst
 from ppsplit.trace_split import Split
 
 
@@ -232,23 +231,28 @@ def _output_items(k: int, a, b) -> list[tuple]:
     return out
 
 
-def compare_training(reference: dict | None, losses: Sequence[float], first_grads: Sequence[dict],
-                     states: Sequence[dict], tie_groups: Sequence[Sequence[str]],
-                     computed: Tolerance = Tolerance(1e-5), trained: Tolerance = Tolerance(1e-4, drift=DRIFT),
-                     initial: dict | None = None) -> dict:
-    """Compare a pipelined training run with the unsplit model's (:func:`train_in_process`),
-    by the rule of :mod:`ppsplit.tolerance`: each step's loss and the first step's gradients at
-    ``computed``, every trained tensor and every tied copy at ``trained``; the copies of a tie
-    must also be bitwise equal.
+def compare_training(reference: dict | None, mine: dict, tie_groups: Sequence[Sequence[str]],
+                     computed: Tolerance = Tolerance(1e-5), trained: Tolerance = Tolerance(1e-4)) -> dict:
+    """Compare a pipelined training run with the unsplit model's
+    (:func:`ppsplit.training.train_in_process`), by the rule of :mod:`ppsplit.tolerance`: what
+    the first step computes (its loss, gradient norm and gradients) at ``computed``; what comes
+    after optimizer steps (later losses and gradient norms, validation losses, every trained
+    tensor and tied copy) at ``trained``. The copies of a tie must also be bitwise equal.
 
-    ``first_grads`` and ``states`` hold, per stage or rank, tensors by original FQN: the
-    gradients of the first step (after tied gradients were summed) and the final values.
-    Without a ``reference`` (a model too large for the driver), only the ties and the losses'
-    finiteness are checked. ``initial``: the reference's tensors before training (the drift
-    term of a trained tensor's bound).
+    ``mine``: the pipeline's ``losses``, ``grad_norms``, ``val_losses`` (``{"step", "loss"}``),
+    ``first_grads`` and ``states`` (per stage or rank, tensors by original FQN: the gradients of
+    the first step, after tied gradients were summed and clipping, and the final values). A
+    reference that ran fewer steps (``verify=N``) is compared on those; without a ``reference``
+    (``verify=off``, or a model too large for the driver) only the ties and the losses'
+    finiteness are checked.
     """
-    ref_state = reference["state"][0] if reference is not None else None
-    initial = initial or {}
+    losses, states = list(mine["losses"]), mine["states"]
+    ref_steps = len(reference["losses"]) if reference is not None else 0
+    whole = reference is not None and ref_steps == len(losses)
+    ref_state = reference["state"][0] if whole else None
+    # a trained tensor's scale is at least the model's weight scale (see ppsplit.tolerance)
+    weights = max((v.detach().abs().max().item() for k, v in (reference["initial"] if whole else {}).items()
+                   if v.is_floating_point() and v.numel()), default=0.0)
     tied = {k for group in tie_groups for k in group}
     differences: list[Difference] = []
     ties = []
@@ -259,9 +263,10 @@ def compare_training(reference: dict | None, losses: Sequence[float], first_grad
         first = copies[0][1]
         bitwise = all(torch.equal(first, t) for _, t in copies)
         vs_ref = None if ref_state is None else [
-            tensor_difference(k, "tie copy", t, ref_state.get(k), trained, initial.get(k)) for k, t in copies]
+            tensor_difference(k, "tie copy", t, ref_state.get(k), trained, weights) for k, t in copies]
         if not bitwise:
-            differences.append(Difference(group[0], "tie copy", math.inf, math.nan, 0.0))
+            differences.append(Difference(f"{group[0]} (its copies are not bitwise equal)", "tie copy",
+                                          math.inf, math.nan, 0.0))
         differences += vs_ref or []
         ties.append({
             "keys": list(group),
@@ -271,37 +276,48 @@ def compare_training(reference: dict | None, losses: Sequence[float], first_grad
         })
     if reference is None:
         ok = all(math.isfinite(x) for x in losses) and all(t["copies_bitwise_equal"] for t in ties)
-        return {"losses": list(losses), "reference_losses": None, "max_loss_rel_diff": None,
+        return {"losses": losses, "reference_losses": None, "max_loss_rel_diff": None,
                 "grad_max_abs_diff": None, "worst_grad": "", "ties": ties, "ok": ok,
                 "mismatch": None if ok else _mismatch(differences)}
 
     ref_losses = reference["losses"]
-    if len(losses) != len(ref_losses):
-        differences.append(Difference(f"(steps: {len(losses)} against {len(ref_losses)})", "loss",
+    compared = losses[:ref_steps]
+    if len(compared) != len(ref_losses):
+        differences.append(Difference(f"(steps: {len(compared)} against {len(ref_losses)})", "loss",
                                       math.inf, math.nan, 0.0))
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
-        differences.append(scalar_difference(f"at step {step + 1}", "loss", got, want, computed))
-    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses)]
+    # The first step computes from the same weights on both sides; every later one from weights
+    # that optimizer steps have made (ppsplit.tolerance: the trained level).
+    for step, (got, want) in enumerate(zip(compared, ref_losses)):
+        differences.append(scalar_difference(f"at step {step + 1}", "loss", got, want, trained if step else computed))
+    for step, (got, want) in enumerate(zip(mine.get("grad_norms", []), reference.get("grad_norms", []))):
+        differences.append(scalar_difference(f"at step {step + 1}", "gradient norm", got, want,
+                                             trained if step else computed))
+    ref_val = {v["step"]: v["loss"] for v in reference.get("val_losses", [])}
+    for v in mine.get("val_losses", []):
+        if v["step"] in ref_val:
+            differences.append(scalar_difference(f"at step {v['step']}", "validation loss", v["loss"],
+                                                 ref_val[v["step"]], trained))
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(compared, ref_losses)]
     # max() skips a NaN that is not first: any non-finite value fails the comparison
-    max_rel = (max(rel, default=0.0) if len(losses) == len(ref_losses) and all(map(math.isfinite, rel))
+    max_rel = (max(rel, default=0.0) if len(compared) == len(ref_losses) and all(map(math.isfinite, rel))
                else float("inf"))
 
     ref_grads = reference["first_grads"][0] if reference["first_grads"] else {}
     grad_diff, worst_grad = 0.0, ""
-    for grads in first_grads:
+    for grads in mine["first_grads"]:
         for key, grad in grads.items():
             d = tensor_difference(key, "gradient", grad, ref_grads.get(key), computed)
             differences.append(d)
             if not math.isfinite(d.max_abs_diff) or d.max_abs_diff > grad_diff:
                 grad_diff, worst_grad = d.max_abs_diff if math.isfinite(d.max_abs_diff) else math.inf, key
-    for state in states:
+    for state in states if ref_state is not None else ():
         for key, value in state.items():
-            if key not in tied and ref_state is not None:
+            if key not in tied:
                 differences.append(tensor_difference(key, "trained tensor", value, ref_state.get(key), trained,
-                                                     initial.get(key)))
+                                                     weights))
     ok = all(d.ok for d in differences)
     return {
-        "losses": list(losses),
+        "losses": losses,
         "reference_losses": list(ref_losses),
         "max_loss_rel_diff": max_rel,
         "grad_max_abs_diff": grad_diff,

@@ -12,15 +12,6 @@ from conftest import run_cli
 from helpers import compose_cfg
 
 
-def test_main_job_passes_and_writes_report(tmp_path):
-    proc = run_cli("model=gpt2", "split=even", "stages=2", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "FQN check: passed" in proc.stdout and "PASSED" in proc.stdout
-    assert "transformer.h.2" in proc.stdout  # the stage table names the blocks
-    data = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert data["fqn_check"]["ok"] and data["split_points"] == ["transformer.h.2"]
-
-
 BAD = [
     (["split=manual", "split.points=[transformer.h.9]"], "transformer.h.9", "did you mean"),
     (["split=manual", "split.points=[transformer.h.3,transformer.h.1]"], "out of order", None),

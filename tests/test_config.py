@@ -15,7 +15,8 @@ TINY_QWEN2 = ["model.model_class=Qwen2ForCausalLM", "+model.config.num_hidden_la
               "+model.config.hidden_size=32", "+model.config.intermediate_size=64",
               "+model.config.num_attention_heads=2", "+model.config.num_key_value_heads=1",
               "+model.config.vocab_size=500"]
-EXTRA = {("split", "manual"): ["split.points=[transformer.h.2]"], ("model", "hf"): TINY_QWEN2}
+EXTRA = {("split", "manual"): ["split.points=[transformer.h.2]"], ("model", "hf"): TINY_QWEN2,
+         **{("data", kind): [f"data.path=corpus.{kind}"] for kind in ("text", "jsonl", "parquet")}}
 
 
 def test_groups_are_the_documented_ones():

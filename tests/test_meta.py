@@ -10,7 +10,7 @@ import ppsplit
 from ppsplit import build
 from ppsplit.cli import run
 from ppsplit.job_spec import from_config
-from ppsplit.run_rank import materialize_stages
+from ppsplit.stage_state import materialize_stages
 from helpers import compose_cfg
 
 MODELS = ("gpt2", "llama", "bert", "t5")

@@ -35,15 +35,6 @@ def test_more_families_run_on_two_ranks(tmp_path, model):
     assert_exact(data, ranks=2)
 
 
-@pytest.mark.slow
-def test_any_class_from_the_command_line(tmp_path):
-    out = run_cli("model=hf", *TINY_QWEN2, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    data = report_of(tmp_path / "run")
-    assert data["model_class"] == "Qwen2ForCausalLM"
-    assert_exact(data, ranks=2)
-
-
 def test_a_local_folder_alone_names_its_class_and_task(tmp_path):
     import transformers
 

@@ -1,6 +1,12 @@
-"""The README is executable: every command and code block runs as written, and the sample output
-is what the command it shows prints."""
+"""The README is executable: every command and code block runs as written, every run it starts
+passes (each ``report.json`` it writes says ``ok``), the sample output is what its command
+prints, and what the README claims of a command is checked on the reports that command wrote
+(CLAIMS below). A feature that a README command shows is tested here, on that run, not again
+elsewhere."""
 
+import csv
+import glob
+import json
 import os
 import re
 import subprocess
@@ -42,7 +48,99 @@ def commands(body: str) -> list[str]:
     return out
 
 
-SHELL = [(body, line) for info, body, line in blocks() if info in ("", "sh", "bash") and commands(body)]
+def sample_command() -> str:
+    text = open(README).read()
+    section = text[text.index("## What a run prints"):]
+    return re.search(r"`(python -m ppsplit [^`]+)` prints", section).group(1)
+
+
+def reports_under(folder) -> set[str]:
+    return set(glob.glob(os.path.join(folder, "**", "report.json"), recursive=True))
+
+
+def load(path) -> dict:
+    return json.loads(open(path).read())
+
+
+# --- what the README says of its commands, checked on the reports each one wrote --------------
+# Each check gets the block's runs: (command, the reports it wrote) in order.
+
+def sweep_rows_match_reports(runs, cwd):
+    """The summary of a sweep has one row per point, and each row says what that point's report says."""
+    for _, reports in runs:
+        (sweep,) = {os.path.dirname(os.path.dirname(r)) for r in reports}
+        rows = list(csv.DictReader(open(os.path.join(sweep, "summary.csv"))))
+        assert len(rows) == len(reports)
+        assert open(os.path.join(sweep, "summary.md")).read().count("\n") == len(rows) + 2
+        assert os.path.getsize(os.path.join(sweep, "summary.png")) > 1000
+        for row in rows:
+            data = load(os.path.join(sweep, row["point"], "report.json"))
+            assert row["check"] == "passed" and row["model"] == data["model"]
+            assert int(row["stages"]) == data["stages"] and row["strategy"] == data["split_strategy"]
+            assert row["split_points"] == " ".join(data["split_points"])
+            assert float(row["balance_flops"]) == pytest.approx(data["balance"]["flops"], abs=1e-4)
+            if data["run"]:
+                assert float(row["step_time_s"]) == pytest.approx(data["run"]["step_time_s"], abs=1e-6)
+
+
+def eight_ranks_with_a_tie(runs, cwd):
+    ((_, (report,)),) = runs
+    run = load(report)["run"]
+    assert run["ranks"] == 8 and run["mesh"] == {"pp": 2, "dp": 2, "tp": 2, "fsdp": True}
+    assert sorted((r["pp"], r["dp"], r["tp"]) for r in run["rank_layout"]) == \
+        [(p, d, t) for p in range(2) for d in range(2) for t in range(2)]
+    assert [t["keys"] for t in run["ties"]] == [["model.embed_tokens.weight", "lm_head.weight"]]
+    assert all(t["copies_bitwise_equal"] for t in run["ties"]) and run["rank_fqn_problems"] == []
+
+
+def lengths_vary(runs, cwd):
+    ((_, (report,)),) = runs
+    run = load(report)["run"]
+    assert run["seq_lens"] == [16, 32, 48] and run["launcher"] == "local"
+    assert run["losses"] == pytest.approx(run["reference_losses"], rel=1e-5)
+
+
+def any_class(runs, cwd):
+    ((_, (report,)),) = runs
+    data = load(report)
+    assert data["model_class"] == "Qwen2ForCausalLM" and data["run"]["ranks"] == 2
+
+
+def chain_resumes(runs, cwd):
+    data = [load(reports[0]) for _, reports in runs]
+    assert [d["run"]["resumed_from"] and d["run"]["resumed_from"]["step"] for d in data] == [None, 2, 4]
+    assert [(d["layout"]["pp"], d["layout"]["dp"]) for d in data] == [(2, 1), (4, 2), (1, 1)]
+    hf = os.path.join(cwd, "ck", "c", "hf")
+    assert os.path.isfile(os.path.join(hf, "config.json")) and glob.glob(os.path.join(hf, "*.safetensors"))
+
+
+def slurm_points_run_side_by_side(runs, cwd):
+    assert all(load(r)["run"]["launcher"] == "slurm" for _, reports in runs for r in reports)
+    (sweep,) = [reports for command, reports in runs if " -m " in command]
+    (a0, a1), (b0, b1) = [(load(r)["started_at"], load(r)["finished_at"]) for r in sweep]
+    assert a0 < b1 and b0 < a1, "the sweep points ran one after another"
+
+
+def across_two_nodes(runs, cwd):
+    ((_, (report,)),) = runs
+    run = load(report)["run"]
+    assert run["nodes"] == {"node1": [0, 1], "node2": [2, 3]} and run["mesh"]["dp"] == 2
+    assert {x["pp"]: x["host"] for x in run["rank_layout"] if x["dp"] == 1} == {0: "node1", 1: "node2"}
+
+
+CLAIMS = {  # a substring of a README block -> what its runs' reports must show
+    "-m stages=2,4 split=even,flops": sweep_rows_match_reports,
+    "parallel.dp=2 parallel.tp=2": eight_ranks_with_a_tie,
+    "seq_lens=[16,32,48]": lengths_vary,
+    "model.model_class=Qwen2ForCausalLM": any_class,
+    "checkpoint.load=ck/b": chain_resumes,
+    "-m launcher=slurm": slurm_points_run_side_by_side,
+    "launcher.nodes=2": across_two_nodes,
+}
+
+
+SHELL = [(body, line) for info, body, line in blocks()
+         if info in ("", "sh", "bash") and commands(body) and commands(body) != [sample_command()]]
 PYTHON = [(body, line) for info, body, line in blocks() if info == "python"]
 
 
@@ -61,10 +159,18 @@ def test_shell_block_runs_as_written(tmp_path, body):
         nodes = ["--nodes", "2"] if "launcher.nodes=2" in body else []
         subprocess.run(["bash", os.path.join(ROOT, "launchers", "slurm", "up.sh"), *nodes], check=True,
                        capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
+    runs = []
     for command in commands(body):  # in one folder: a later line may read what an earlier wrote
+        before = reports_under(tmp_path)
         proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True,
                               timeout=900, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        written = sorted(reports_under(tmp_path) - before)
+        assert written and all(load(r)["ok"] for r in written), (command, written)
+        runs.append((command, written))
+    for key, check in CLAIMS.items():
+        if key in body:
+            check(runs, str(tmp_path))
 
 
 @pytest.mark.parametrize("body", [pytest.param(b, id=f"line{n}") for b, n in PYTHON])
@@ -90,9 +196,8 @@ def normalise(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_the_sample_output_is_what_the_command_prints(tmp_path):
-    text = open(README).read()
-    section = text[text.index("## What a run prints"):]
-    command = re.search(r"`(python -m ppsplit [^`]+)` prints", section).group(1)
+    """The README's first command, run once: its output is the sample, and its report passes."""
+    command = sample_command()
     sample = next(body for info, body, _ in blocks() if info == "text" and body.startswith("[") and
                   "PASSED" in body)
     proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -109,3 +214,7 @@ def test_the_sample_output_is_what_the_command_prints(tmp_path):
     steps = re.compile(r"\[T\] (step \d+/\d+ done|ranks finished)")
     assert [l for l in got if not steps.match(l)] == [l for l in shown if not steps.match(l)]
     assert [l for l in got if steps.match(l)] == [l for l in shown if steps.match(l)]
+    (report,) = reports_under(tmp_path)
+    data = load(report)
+    assert data["ok"] and data["fqn_check"]["ok"] and data["split_points"] == ["transformer.h.2"]
+    assert data["run"]["launcher"] == "local" and data["run"]["ranks"] == 2

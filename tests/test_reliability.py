@@ -233,7 +233,7 @@ def test_a_failing_rank_is_reported_at_once_not_at_the_timeout(tmp_path):
     proc = run_cli("debug.crash_rank=0", "debug.crash_step=1", "timeout_s=300", f"hydra.run.dir={tmp_path}/run",
                    cwd=tmp_path)
     took = time.monotonic() - start
-    assert proc.returncode == 1
+    assert proc.returncode == 1  # one line, no traceback, at once: not after timeout_s
     assert proc.stderr.strip().splitlines() == [
         "ppsplit: check failed: rank 0 failed: RuntimeError: injected crash on rank 0 at step 1"]
     assert took < 100  # the whole run, start-up included; the timeout is 300 s
@@ -326,14 +326,6 @@ def test_a_corrupt_pretrained_config_is_refused(tmp_path):
     proc = run_cli(f"model.pretrained={folder}", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode == 2
     assert "its config.json cannot be read" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-
-
-@pytest.mark.slow
-def test_a_sweep_with_a_failed_point_exits_1_after_its_summary(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "launcher=inline", "steps=1", "stages=2,5", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert proc.returncode == 1
-    assert (sweep / "summary.csv").exists() and "1 failed" in proc.stdout
 
 
 def test_slurm_without_a_controller_is_refused_naming_up_sh(tmp_path):

@@ -94,18 +94,6 @@ def test_four_stages_two_ranks_per_node_match_the_unsplit_model(tmp_path, launch
 
 
 @pytest.mark.parametrize("launcher", ["slurm"])
-def test_pipeline_across_nodes_data_parallel_within_a_node(tmp_path, launcher):
-    assert run(compose_cfg("model=llama", "stages=2", "parallel.dp=2", *ACROSS), str(tmp_path)) == 0
-    r = report_of(tmp_path)
-    assert r["ok"] and r["mesh"]["dp"] == 2
-    # Each pipeline stage's data-parallel pair shares a node; the stages are on different nodes.
-    stage_node = {x["pp"]: set() for x in r["rank_layout"]}
-    for x in r["rank_layout"]:
-        stage_node[x["pp"]].add(x["host"])
-    assert stage_node == {0: {"node1"}, 1: {"node2"}}
-
-
-@pytest.mark.parametrize("launcher", ["slurm"])
 def test_a_rank_dying_on_node2_is_named_with_its_node(tmp_path, launcher):
     proc = run_cli("model=gpt2", "stages=2", *ACROSS, "debug.crash_rank=1", "debug.crash_mode=exit",
                    "debug.crash_step=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,

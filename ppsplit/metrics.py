@@ -1,0 +1,143 @@
+"""What a training run measures, written as it goes: ``metrics.csv`` in the run folder (a row per
+optimizer step: loss, learning rate, gradient norm before clipping, tokens/s, MFU, and the
+validation loss and perplexity where one was taken), the same scalars as TensorBoard event files
+(``metrics.tensorboard=true``), and ``loss.png`` at the end.
+
+Tokens/s counts the global batch's tokens (``batch_size x seq_len x grad_accumulation``) over the
+step's time on its slowest rank. MFU is the step's model FLOPs (forward and backward, from
+:mod:`ppsplit.plan`) over that time and the peak of every rank, the peak measured once at the
+start by a float32 matmul at the ranks' thread count (on CPU that is the machine's own speed for
+this kind of work, not a datasheet figure).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import threading
+import time
+
+COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_ppl")
+
+
+def matmul_peak(threads: int = 1, size: int = 256, seconds: float = 0.1) -> float:
+    """FLOP/s of a float32 matmul at ``threads`` torch threads."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size)
+        torch.mm(a, a)
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.mm(a, a)
+            count += 1
+        return 2 * size ** 3 * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved)
+
+
+class MetricsLog:
+    """Rows in step order, written as they come (a step whose row arrives early waits for the
+    ones before it). ``first_step``: the step a resumed run starts from."""
+
+    def __init__(self, run_dir: str, spec, flops_per_step: float, peak_flops: float | None, ranks: int,
+                 first_step: int = 0):
+        self.run_dir, self.spec = run_dir, spec
+        self.flops, self.peak, self.ranks = flops_per_step, peak_flops, ranks
+        self.first_step = first_step
+        self.rows: list[dict] = []
+        self._waiting: dict[int, dict] = {}
+        self._lock = threading.Lock()
+        self._writer = self._file = None
+        self._path = os.path.join(run_dir, "metrics.csv") if spec.metrics.csv else None
+
+    def _open(self) -> None:
+        """The files, at the first row: a run refused before its first step writes none."""
+        if self._path:
+            os.makedirs(self.run_dir, exist_ok=True)
+            fresh = not os.path.exists(self._path)
+            self._file = open(self._path, "a", newline="")
+            self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+            if fresh:
+                self._csv.writeheader()
+        if self.spec.metrics.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+
+    def tokens(self, step: int) -> int:
+        return self.spec.batch_size * self.spec.seq_len_at(step) * self.spec.train.grad_accumulation
+
+    def record(self, k: int, loss, lr, grad_norm, time_s, val_loss=None) -> None:
+        """Step ``k`` of this run (from 0) measured; written once every step before it is."""
+        step = self.first_step + k + 1  # steps done, as the progress line counts them
+        tokens_per_s = self.tokens(step - 1) / time_s if time_s else None
+        mfu = (self.flops / (time_s * self.ranks * self.peak) if time_s and self.peak and self.flops else None)
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+               "mfu": mfu, "time_s": time_s, "val_loss": val_loss,
+               "val_ppl": math.exp(min(val_loss, 700)) if val_loss is not None else None}
+        with self._lock:
+            if any(r["step"] == step for r in self.rows):
+                return
+            self._waiting[step] = row
+            while self.first_step + len(self.rows) + 1 in self._waiting:
+                self._write(self._waiting.pop(self.first_step + len(self.rows) + 1))
+
+    def _write(self, row: dict) -> None:
+        if not self.rows:
+            self._open()
+        self.rows.append(row)
+        if self._path:
+            self._csv.writerow({k: ("" if v is None else v) for k, v in row.items()})
+            self._file.flush()
+        if self._writer is not None:
+            for key in COLUMNS[1:]:
+                if row[key] is not None:
+                    self._writer.add_scalar(key, row[key], row["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.spec.metrics.plot and self.rows:
+            plot_losses(self.rows, os.path.join(self.run_dir, "loss.png"))
+
+    def summary(self) -> dict:
+        """Medians over the steps after the first, for the report."""
+        def median(key):
+            values = sorted(r[key] for r in self.rows[1:] or self.rows if r[key] is not None)
+            return values[len(values) // 2] if values else None
+
+        return {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "peak_flops_per_rank": self.peak,
+                "flops_per_step": self.flops, "csv": self._path,
+                "tensorboard": os.path.join(self.run_dir, "tensorboard") if self.spec.metrics.tensorboard else None}
+
+
+def plot_losses(rows: list[dict], path: str) -> None:
+    """Train loss per step and the validation losses, in one picture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ppsplit.report import atomic_path
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows if r["loss"] is not None]
+    ax.plot(steps, [r["loss"] for r in rows if r["loss"] is not None], label="train loss", lw=1.2)
+    val = [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None]
+    if val:
+        ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation loss", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("ppsplit: training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)

@@ -1,0 +1,310 @@
+"""What one rank does: rebuild the split, keep and lay out its stages, and train them under a
+pipeline schedule from ``torch.distributed.pipelining``, one optimizer step at a time exactly
+as the unsplit reference does (:mod:`ppsplit.training`), evaluating on held-out batches through
+the forward-only schedule, reporting each step to the driver and saving checkpoints."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ppsplit import build
+from ppsplit.debug import inject_crash, perturb_one_weight, repeat_first_microbatch
+from ppsplit.job_spec import JobSpec
+from ppsplit.stage_state import (average_grads, check_finite, first_non_finite, full_tensors, local_bytes,
+                                 materialize_stages, median_after_first, peak_rss_bytes, separate_local_copies,
+                                 tensor_digest)
+from ppsplit.schedules import SCHEDULES, stages_of_rank
+from ppsplit.ties import TieSync
+from ppsplit.trace_split import split as split_model
+from ppsplit.training import (Stepper, apply_activation_checkpointing, checkpoint_pattern, counted_once,
+                              eval_indices, precision_context)
+
+
+@dataclass
+class RankStages:
+    """This rank's stages, laid out, and what it needs to know of the whole split."""
+    split: object
+    modules: dict  # stage index -> module
+    mine: list[int]
+    layout: object
+    coords: tuple[int, int, int]  # (pp, dp, tp)
+    mesh: object
+    flows: list | None
+    config: object
+    fqn_problems: list[str]
+    rss_growth: int
+
+    @property
+    def keeper(self) -> bool:
+        """The rank of its stages that sends their whole tensors (dp 0, tp 0)."""
+        return self.coords[1] == 0 and self.coords[2] == 0
+
+
+def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source_of) -> RankStages:
+    from ppsplit import layout as lay
+
+    m, plan = spec.model, spec.plan
+    layout = lay.Layout(plan.ranks, spec.parallel.dp, spec.parallel.tp, spec.parallel.fsdp)
+    pp_rank, dp_rank, tp_rank = layout.coords(rank)
+    mesh = lay.device_mesh(layout, device.type) if layout.world > plan.ranks else None
+    meta = m.init == "meta"
+    channel.report("building the model")
+    model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout) if meta else \
+        build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
+    channel.report("tracing and splitting")
+    example = source_of(model.config).batch(0).shard(dp_rank, layout.dp).microbatches(spec.microbatches)[0]
+    if meta:
+        example = example.to("meta")
+    split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
+    mine = stages_of_rank(pp_rank, plan.ranks, plan.stages_per_rank, plan.placement)
+    rss_before = peak_rss_bytes()
+    channel.report("building this rank's stages")
+    flows = lay.check_tensor_parallel(split, model, m.tp_plan, layout.tp) if layout.tp > 1 else None
+    if meta:
+        modules = materialize_stages(model, split, mine, spec.seed, m.pretrained, device)
+    else:
+        modules = {i: split.stages[i].to(device) for i in mine}
+    separate_local_copies(modules)
+    split.stages = [modules.get(i) for i in range(len(split.stages))]  # drop the other ranks' stages
+    pattern = checkpoint_pattern(spec.train.activation_checkpointing, split.blocks)
+    for i in mine:  # before FSDP wraps the blocks, as torchtitan orders them
+        apply_activation_checkpointing(modules[i], pattern)
+    if mesh is not None:
+        channel.report("laying out the stages")
+        for i in mine:
+            lay.parallelize(split, i, model, mesh, m.tp_plan, layout.fsdp, flows,
+                            bf16=spec.train.precision == "bf16")
+    config = model.config
+    del model
+    problems = [f"stage {i}: {sorted(set(modules[i].state_dict()) ^ set(split.stage_keys[i]))[:4]}"
+                for i in mine if set(modules[i].state_dict()) != set(split.stage_keys[i])]
+    for module in modules.values():
+        # Stage outputs go over the wire: gloo sends only contiguous tensors (T5's and BERT's
+        # masks are expanded views), and in the traced dtype (float32 under bf16 autocast). A
+        # hook keeps the stage's FQNs untouched.
+        module.register_forward_hook(_wire_outputs)
+    return RankStages(split, modules, mine, layout, (pp_rank, dp_rank, tp_rank), mesh, flows, config, problems,
+                      peak_rss_bytes() - rss_before)
+
+
+def _wire_outputs(module, args, output):
+    def wire(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        return t.contiguous()
+
+    return tuple(wire(t) for t in output) if isinstance(output, tuple) else wire(output)
+
+
+def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn) -> dict:
+    """This rank's stages under the schedule, one per sequence length: PipelineStage fixes its
+    send and receive buffers, so each length gets its own (over the same modules)."""
+    from torch.distributed import pipelining
+
+    from ppsplit import layout as lay
+
+    plan, n_stages = spec.plan, len(r.split.stages)
+    pp_group = r.mesh["pp"].get_group() if r.mesh is not None else None
+    schedule_cls = getattr(pipelining, SCHEDULES[spec.schedule][0])
+    accumulation = spec.train.grad_accumulation
+
+    def scaled_loss(output, target):
+        return loss_fn(output, target) / accumulation
+
+    def schedule_for(sizes):
+        pipe_stages = []
+        for i in r.mine:
+            ins, outs = r.split.stage_io_meta(i, sizes)
+            if r.flows is not None:  # a value that crosses stages sharded travels as this rank's shard
+                ins = tuple(lay.local_shape(t, s, r.layout.tp) for t, s in zip(ins, r.flows[i].inputs))
+                outs = tuple(lay.local_shape(t, s, r.layout.tp) for t, s in zip(outs, r.flows[i].outputs))
+            pipe_stages.append(pipelining.PipelineStage(
+                r.modules[i], i, n_stages, device, input_args=ins, output_args=outs[0] if len(outs) == 1 else outs,
+                group=pp_group))
+        return schedule_cls(pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
+                            n_microbatches=spec.microbatches, loss_fn=scaled_loss)
+
+    return {length: schedule_for({"seq": length} if spec.dynamic else None)
+            for length in dict.fromkeys(spec.seq_lens or (spec.seq_len,))}
+
+
+def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch.device, channel) -> dict:
+    from ppsplit import checkpoint as ckpt
+    from ppsplit.data import BatchSource
+    from ppsplit.optim import grad_norm, make_lr_schedule, make_optimizer
+
+    m, plan = spec.model, spec.plan
+
+    def source_of(config):
+        return BatchSource(spec, config, launch.get("data_file"), launch.get("first_sample", 0))
+
+    r = build_stages(spec, launch, rank, device, channel, source_of)
+    split, modules, mine = r.split, r.modules, r.mine
+    pp_rank, dp_rank, _ = r.coords
+    n_stages, layout = len(split.stages), r.layout
+    loss_fn = build.loss_fn(m.loss)
+    schedules = make_schedules(spec, r, device, loss_fn)
+    rank_of_stage = {i: p for p in range(plan.ranks)
+                     for i in stages_of_rank(p, plan.ranks, plan.stages_per_rank, plan.placement)}
+    channel.report("synchronising tied weights")
+    ties = TieSync(split.tie_groups, split.stage_keys, modules, rank_of_stage, rank, layout)
+    optimizers = {i: make_optimizer(spec.optimizer, modules[i].named_parameters()) for i in mine}
+    start_step = 0
+    if launch.get("load_dir"):
+        channel.report("loading the checkpoint")
+        start_step = ckpt.load(launch["load_dir"], modules, optimizers, split.tie_groups)
+    lr_schedules = [make_lr_schedule(o, spec.train, start_step + spec.steps, start_step) for o in optimizers.values()]
+    replicas = r.mesh["dp"].get_group() if r.mesh is not None and layout.dp > 1 and not layout.fsdp else None
+    pp_group = r.mesh["pp"].get_group() if r.mesh is not None else dist.group.WORLD
+    debug = spec.debug
+    tied_keys = {k for g in split.tie_groups for k in g}
+    if debug.defect == "perturbed_weight" and 0 in mine:
+        perturb_one_weight(modules[0], tied_keys)
+    masks = None
+    if spec.dropout:
+        from ppsplit.dropout import MaskSeeds
+
+        masks = MaskSeeds(spec.seed, first_microbatch=dp_rank * spec.microbatches)
+        masks.on_stages(modules)
+    source = source_of(r.config)
+    owner = counted_once(split.tie_groups, split.stage_keys)
+    norm_params = [(k, p) for i in mine for k, p in modules[i].named_parameters() if owner.get(k, i) == i]
+    accumulation = spec.train.grad_accumulation
+
+    def run_batch(schedule, batch) -> float | None:
+        args = split.flat_inputs(batch.args, batch.kwargs) if 0 in mine else ()
+        kwargs, mb_losses = {}, []
+        if n_stages - 1 in mine:
+            kwargs = {"target": batch.labels.to(device), "losses": mb_losses}
+        with precision_context(spec.train.precision, device.type):
+            schedule.step(*(a.to(device) for a in args), **kwargs)
+        if not mb_losses:
+            return None
+        return torch.stack([x.detach().float() for x in mb_losses]).mean().item() * accumulation
+
+    def forward_backward(i: int) -> float | None:
+        step = start_step + i // accumulation
+        batch = source.batch(start_step * accumulation + i, spec.seq_len_at(step)).shard(dp_rank, layout.dp)
+        if debug.defect == "repeated_microbatch":
+            batch = repeat_first_microbatch(batch, spec.microbatches)
+        return run_batch(schedules[spec.seq_len_at(step)], batch)
+
+    def sync() -> None:
+        if replicas is not None:
+            average_grads(modules, replicas, layout.dp)
+        if debug.defect == "dropped_stage_grad" and n_stages - 1 in mine:
+            modules[n_stages - 1].zero_grad(set_to_none=False)
+        if debug.defect != "unsynced_tie":
+            ties.sum_grads()
+
+    def all_finite(bad) -> bool:
+        return check_finite(0, bad, modules, device) is None
+
+    stepper = Stepper(forward_backward, sync, lambda: grad_norm(norm_params, lambda _k: True, pp_group, device),
+                      [p for i in mine for p in modules[i].parameters()], list(optimizers.values()), lr_schedules,
+                      accumulation, spec.train.clip_grad_norm, finite=all_finite,
+                      grads_of=lambda: full_tensors(((k, p.grad) for i in mine
+                                                     for k, p in modules[i].named_parameters(remove_duplicate=False)
+                                                     if p.grad is not None), r.keeper))
+    stats, diverged, val = [], None, []
+    evals = eval_indices(spec.steps, spec.eval.every) if spec.eval.batches else set()
+    for k in range(spec.steps):
+        channel.report("step", k)
+        if masks is not None:
+            masks.start_step(start_step + k)
+        if debug.crash_rank == rank and debug.crash_step == k:
+            inject_crash(debug.crash_mode, rank, k)
+        dist.barrier()
+        result = stepper.step(k)
+        if result is None:
+            loss = stepper.last_loss
+            diverged = {"step": k, "loss": loss, "non_finite_loss": loss is not None and loss != loss,
+                        "non_finite_grad": first_non_finite((key, p) for st in modules.values()
+                                                            for key, p in st.named_parameters())}
+            break
+        stats.append(result)
+        if debug.check_ties:
+            ties.check_equal(start_step + k)
+        if k in evals:
+            val.append({"step": k + 1, "loss": _evaluate(spec, source, r, rank_of_stage, loss_fn, masks, device,
+                                                         start_step + k)})
+        channel.step_done(k, result.loss, {"lr": result.lr, "grad_norm": result.grad_norm, "time_s": result.time_s,
+                                           **({"val_loss": val[-1]["loss"]} if k in evals else {})})
+
+    final = full_tensors(((k, v) for i in mine for k, v in modules[i].state_dict().items()), r.keeper)
+    # every trained tensor goes to the driver's comparison when it trains a reference (not on meta)
+    state = {k: v for k, v in final.items() if debug.return_state or k in tied_keys or m.init != "meta"}
+    if launch.get("checkpoint_dir") and diverged is None:
+        channel.report("saving the checkpoint")
+        ckpt.save(launch["checkpoint_dir"], modules, optimizers, hf=launch.get("hf_dir"), tie_groups=split.tie_groups)
+    channel.report("sending the result")
+    held = [p for o in optimizers.values() for g in o.param_groups for p in g["params"]]
+    times = [s.time_s for s in stats]
+    return {
+        "rank": rank, "coords": {"pp": pp_rank, "dp": dp_rank, "tp": r.coords[2]}, "keeper": r.keeper,
+        "stages": mine, "start_step": start_step,
+        "losses": [s.loss for s in stats if s.loss is not None],
+        "grad_norms": [s.grad_norm for s in stats], "lrs": [s.lr for s in stats], "val_losses": val,
+        "diverged": diverged, "step_times_s": times, "step_time_s": median_after_first(times),
+        "first_grads": stepper.first_grads or {},
+        "state": {i: {k: v for k, v in state.items() if k in split.stage_keys[i]} for i in mine} if r.keeper else {},
+        "fqn_problems": r.fqn_problems,
+        # The optimizers hold the parameters as this rank keeps them between steps (FSDP's shards).
+        "param_bytes": local_bytes(held),
+        "stage_bytes": local_bytes(held) + local_bytes(b for i in mine for b in modules[i].buffers()),
+        "optimizer_bytes": local_bytes(v for o in optimizers.values() for st in o.state.values()
+                                       for v in st.values() if isinstance(v, torch.Tensor)),
+        "rss_growth_bytes": r.rss_growth,
+        "digests": {k: tensor_digest(v) for k, v in final.items()} if r.keeper else {},
+        "tie_comm_groups": ties.comm_groups(), "pid": os.getpid(), "host": os.uname().nodename,
+    }
+
+
+@torch.no_grad()
+def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device, step) -> float | None:
+    """The mean loss over the held-out batches, forward only: each microbatch through the stages
+    in order, a stage's outputs sent to the rank of the next (torch's zero-bubble schedules cannot
+    run without a backward, so evaluation does not go through the schedule). The loss is on the
+    ranks of the last stage; None elsewhere."""
+    from ppsplit import layout as lay
+    from ppsplit.trace_split import as_tuple
+
+    split, n = r.split, len(r.split.stages)
+    pp, dp, tp = r.coords
+    last, losses = n - 1, []
+
+    def peer(stage):
+        return r.layout.rank_of(rank_of_stage[stage], dp, tp)
+
+    for j, batch in enumerate(source.validation(spec.eval.batches)):
+        if masks is not None:
+            masks.start_step(-1 - j - 1000 * step)
+        for mb in batch.shard(dp, r.layout.dp).microbatches(spec.microbatches):
+            values = ()
+            for s in range(n):
+                if s not in r.mine:
+                    continue
+                if s == 0:
+                    values = tuple(t.to(device) for t in split.flat_inputs(mb.args, mb.kwargs))
+                elif rank_of_stage[s - 1] != pp:
+                    ins, _ = split.stage_io_meta(s)
+                    if r.flows is not None:
+                        ins = tuple(lay.local_shape(t, f, r.layout.tp) for t, f in zip(ins, r.flows[s].inputs))
+                    values = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in ins)
+                    for t in values:
+                        dist.recv(t, src=peer(s - 1))
+                with precision_context(spec.train.precision, device.type):
+                    values = as_tuple(r.modules[s](*values))
+                if s < last and rank_of_stage[s + 1] != pp:
+                    for t in values:
+                        dist.send(t.contiguous(), dst=peer(s + 1))
+            if last in r.mine:
+                with precision_context(spec.train.precision, device.type):
+                    losses.append(loss_fn(values[0] if len(values) == 1 else values, mb.labels.to(device)).item())
+    return sum(losses) / len(losses) if losses else None

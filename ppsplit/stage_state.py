@@ -1,0 +1,153 @@
+"""The tensors of a rank's stages: whole tensors gathered from shards, the bytes a rank holds,
+replicas' gradients averaged, the finite check every rank agrees on, a tie's copies separated
+between stages of one rank, stages materialised from the meta device, and digests."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ppsplit import build
+from ppsplit.stage_code import adopt_tensors, retarget_devices, same_kind
+
+
+def median_after_first(times: list[float]) -> float | None:
+    """The step time: the median of the steps after the first (which also warms up)."""
+    return statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None)
+
+
+def full_tensors(named, keep: bool) -> dict[str, torch.Tensor]:
+    """Whole tensors on the CPU by FQN; a sharded one is gathered (every rank of its mesh takes
+    part, in the same order), and kept only where ``keep``."""
+    out = {}
+    for key, t in named:
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if keep:
+            out[key] = whole.detach().cpu().clone()
+    return out
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for ``tensors`` (its shard of a sharded one), each tensor once."""
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[id(t)] = local.numel() * local.element_size()
+    return sum(seen.values())
+
+
+@torch.no_grad()
+def average_grads(modules: dict, group, size: int) -> None:
+    """Replicated data parallelism (``parallel.fsdp=false``): each gradient becomes the mean over
+    the data-parallel ranks."""
+    for module in modules.values():
+        for p in module.parameters():
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(local, group=group)
+                local.div_(size)
+
+
+def first_non_finite(named_params) -> str | None:
+    """The FQN of the first parameter whose gradient holds a NaN or an infinity."""
+    for key, p in named_params:
+        grad = p.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if not bool(torch.isfinite(local).all()):
+            return key
+    return None
+
+
+def check_finite(step: int, loss: float | None, modules: dict, device) -> dict | None:
+    """Whether any rank saw a non-finite loss or gradient this step (one small all-reduce, so
+    every rank stops at the same step); what this rank saw, or None when all is finite."""
+    bad_loss = loss is not None and not math.isfinite(loss)
+    bad_grad = first_non_finite((k, p) for st in modules.values() for k, p in st.named_parameters())
+    flag = torch.tensor([float(bad_loss), float(bad_grad is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not bool(flag.any()):
+        return None
+    return {"step": step, "loss": loss, "non_finite_loss": bad_loss, "non_finite_grad": bad_grad}
+
+
+def separate_local_copies(modules: dict[int, torch.nn.Module]) -> None:
+    """Give each stage on this rank its own tensor for a tie its stages share.
+
+    Splitting hands every stage the caller's tensor, so the first and last stage of a V
+    placement (both on rank 0) would hold one tensor; torch's schedules scale and write each
+    stage's gradients on their own, which would count that tensor twice. TieSync then sums the
+    copies' gradients like any other pair of copies."""
+    owner: dict[int, int] = {}
+    for i in sorted(modules):
+        stage = modules[i]
+        named = dict(stage.named_parameters(remove_duplicate=False))
+        named.update(stage.named_buffers(remove_duplicate=False))
+        copies: dict[int, torch.Tensor] = {}
+        replace = {}
+        for fqn, tensor in named.items():
+            if owner.get(id(tensor), i) != i:
+                if id(tensor) not in copies:
+                    copies[id(tensor)] = same_kind(tensor, tensor.detach().clone())
+                replace[fqn] = copies[id(tensor)]
+        if replace:
+            adopt_tensors(stage, replace, only_known=True)
+        for tensor in list(stage.parameters()) + list(stage.buffers()):
+            owner.setdefault(id(tensor), i)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far.
+
+    Read from /proc (VmHWM, kept per address space): getrusage's ru_maxrss survives fork and
+    exec, so a rank would report its driver's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def materialize_stages(model, split, indices, seed: int, pretrained: str | None, device) -> dict[int, torch.nn.Module]:
+    """Give stages ``indices`` of a split traced on meta real tensors on ``device``, and only them.
+
+    Their tensors are materialised in the meta model, initialised by the model's own
+    initialisation (deterministic per tensor from the seed, so equal to the unsplit model's) or
+    read from the local checkpoint (only the keys these stages hold), then adopted by the stages.
+    Non-persistent buffers are recomputed by the initialisation: no checkpoint holds them."""
+    stages = {i: split.stages[i] for i in indices}
+    names = {i: set(st.state_dict()) | {n for n, _ in st.named_buffers(remove_duplicate=False)}
+             for i, st in stages.items()}
+    every = set().union(*names.values())
+    build.materialize(model, every, device)
+    build.initialize(model, seed)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    if pretrained:
+        keys = sorted(k for st in stages.values() for k in st.state_dict())
+        with torch.no_grad():
+            for fqn, value in build.read_checkpoint_tensors(pretrained, keys, split.tie_groups).items():
+                named[fqn].copy_(value)
+    for i, stage in stages.items():
+        missing = adopt_tensors(stage, {n: named[n] for n in names[i] if n in named})
+        left = missing + [n for n, t in stage.named_buffers() if t.is_meta]
+        if left:
+            raise RuntimeError(f"stage {i}: no value for {', '.join(sorted(set(left))[:5])}")
+        retarget_devices(stage, device)
+    return stages
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A short hash of a tensor's values, to prove two copies equal without shipping them."""
+    data = tensor.detach().cpu().contiguous()
+    return hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()[:16]
