@@ -163,8 +163,7 @@ def _pack_corpus(spec, files, tokenizer, separator, seq_len, seed, path, progres
 def _documents(spec: DataSpec, files: list[str], tokenizer, progress: bool) -> list[np.ndarray]:
     import datasets
 
-    if not progress:
-        datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # reading and checking: a refusal stays one line
     kwargs = {"sample_by": spec.sample_by} if spec.name == "text" else {}
     try:
         ds = datasets.load_dataset(LOADERS[spec.name], data_files=files, split="train",
@@ -176,10 +175,12 @@ def _documents(spec: DataSpec, files: list[str], tokenizer, progress: bool) -> l
         raise PpsplitError(f"data.field={spec.field!r} is not in {os.path.basename(files[0])}'s records; "
                            f"allowed: {', '.join(ds.column_names)}")
     ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch[spec.field]],
-                   batched=True, desc="dropping empty documents")
+                   batched=True)
     if not len(ds):
         raise PpsplitError(f"data.path: {', '.join(os.path.basename(f) for f in files[:3])} hold no text "
                            f"(no non-empty {spec.field!r}); allowed: a corpus with text")
+    if progress:
+        datasets.enable_progress_bars()  # the one long part: tokenizing
     ds = ds.map(lambda batch: {"ids": tokenizer(batch[spec.field], add_special_tokens=False)["input_ids"]},
                 batched=True, remove_columns=ds.column_names, desc="tokenizing")
     return [np.asarray(ids, dtype=np.int32) for ids in ds["ids"]]

@@ -109,6 +109,12 @@ def check_model(spec: JobSpec) -> Any:
         raise PpsplitError(f"seq_lens={list(spec.seq_lens)} with parallel.tp={spec.parallel.tp}: tensor "
                            "parallelism rewrites the traced view sizes, which are fixed; allowed: "
                            "parallel.tp=1 with seq_lens, or one sequence length")
+    if spec.data.real and m.inputs == "image_classification":
+        raise PpsplitError(f"data={spec.data.name}: {m.class_name} takes images, and trains on data=synthetic only; "
+                           "allowed: data=synthetic")
+    if spec.data.real and spec.seq_lens:
+        raise PpsplitError(f"seq_lens={list(spec.seq_lens)} with data={spec.data.name}: the corpus is packed into "
+                           "blocks of seq_len; allowed: seq_lens=null")
     if m.inputs == "seq2seq" and not getattr(config, "is_encoder_decoder", False):
         raise PpsplitError(f"model.model_class={m.class_name!r} is not an encoder-decoder, so it cannot "
                            "take model.inputs=seq2seq; allowed: causal_lm, masked_lm or image_classification")

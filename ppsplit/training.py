@@ -181,7 +181,8 @@ def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn,
 
     def forward_backward(i: int) -> float:
         total = 0.0
-        batch = source.batch(i)
+        step = start_step + i // accumulation
+        batch = source.batch(start_step * accumulation + i, spec.seq_len_at(step))  # the stream's own index
         for mb in batch.microbatches(microbatches):
             with precision_context(train.precision, device_type):
                 loss = loss_fn(forward(*mb.args, **mb.kwargs), mb.labels)

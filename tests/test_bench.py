@@ -143,3 +143,12 @@ def test_layouts(tmp_path):
         assert row["ok"] and positive(row["max_held_bytes"]) and row["max_loss_rel_diff"] <= 1e-5
         check_sides(row, ("step",))
     assert data["layouts"]["pp2xdp2"]["held_ratio"] < 0.75  # FSDP shards what each rank holds
+
+
+def test_training(tmp_path):
+    data = run_quick("training", tmp_path)
+    check_sides(data["step_time_s"], ("pipeline", "unsplit_1t", "unsplit_2t", "recompute"))
+    assert all(positive(v) for v in data["tokens_per_s"].values())
+    for key in ("pipeline_over_unsplit_1t", "pipeline_over_unsplit_2t", "recompute_over_plain",
+                "metrics_row_s", "metrics_share_of_step"):
+        assert positive(data[key]), key
