@@ -81,8 +81,8 @@ def _prefetch(calls) -> None:
 
 def child(mode: str, config: dict, stages: int, seq: int = 128, rank: int = 0) -> dict:
     ready = _PREFETCHED.get((mode, json.dumps(config), stages, seq, rank))
-    if ready:
-        return ready.pop()
+    if ready:  # quick mode: the one sample of these arguments serves every ask
+        return ready[-1]
     return _run_child(mode, json.dumps(config), stages, seq, rank)
 
 
@@ -117,7 +117,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
     if quick:
         tiny = json.dumps(TINY)
         _prefetch([("ppsplit", tiny, 2, 128, 0), ("pipeline", tiny, 2, 128, 0),
-                   ("ppsplit", json.dumps(dict(TINY, num_hidden_layers=2)), 2, 128, 0), ("ppsplit", tiny, 2, 128, 0),
+                   ("ppsplit", json.dumps(dict(TINY, num_hidden_layers=2)), 2, 128, 0),
                    ("rank", tiny, 2, 128, 0), ("rank", tiny, 2, 128, 1)])
     rows = []
     data["driver"] = {}

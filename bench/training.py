@@ -93,6 +93,11 @@ def metrics_row_cost(repeats: int) -> float:
 
 
 def main(quick: bool = False, out_dir: str | None = None) -> dict:
+    with harness.torch_threads(1):  # as the ranks run; the unsplit sides set their own
+        return _main(quick, out_dir)
+
+
+def _main(quick: bool, out_dir: str | None) -> dict:
     spec = QUICK if quick else FULL
     samples = {"pipeline": [], "unsplit_1t": [], "unsplit_2t": [], "recompute": []}
     for r in range(spec["rounds"]):

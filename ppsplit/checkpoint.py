@@ -13,14 +13,42 @@ from ppsplit.errors import PpsplitError
 
 
 def check_resumable(folder: str, model) -> dict:
-    """Where a run resumes: the checkpoint has every key of the model (driver side, before any rank)."""
+    """Where a run resumes, refusing a checkpoint of another model before any rank starts: its
+    keys must be the model's, both ways, each of the same shape (from DCP's metadata); the
+    config fields that differ are named when ``ppsplit.json`` recorded the config."""
     meta = check_loadable(folder, type(model).__name__)
-    missing = sorted(set(model.state_dict()) - saved_keys(folder))
-    if missing:
-        raise PpsplitError(f"checkpoint.load={folder!r} lacks {len(missing)} of the model's keys "
-                           f"({', '.join(missing[:3])}...); allowed: a checkpoint of the same model config")
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    saved = {k: tuple(v.size) for k, v in stored.items() if not k.startswith("optim.") and hasattr(v, "size")}
+    mine = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    missing = sorted(set(mine) - set(saved))
+    extra = sorted(set(saved) - set(mine))
+    shapes = [k for k in mine if k in saved and saved[k] != mine[k]]
+    if missing or extra or shapes:
+        if shapes:
+            first = f"{shapes[0]} is {list(saved[shapes[0]])} there, {list(mine[shapes[0]])} here"
+        elif missing:
+            first = f"it lacks {missing[0]} ({len(missing)} of the model's keys)"
+        else:
+            first = f"it has {extra[0]}, which the model lacks ({len(extra)} such keys)"
+        changed = _config_changes(meta.get("model_config"), getattr(model, "config", None))
+        raise PpsplitError(f"checkpoint.load={folder!r} holds another model: {first}"
+                           + (f"; saved with {changed}" if changed else "")
+                           + "; allowed: a checkpoint of the same model config")
     return {"checkpoint": folder, "step": int(meta["step"]),
             "next_sample": (meta.get("data") or {}).get("next_sample")}
+
+
+def _config_changes(saved: dict | None, config) -> str:
+    """The config fields the checkpoint was saved with that differ from this model's."""
+    if not saved or config is None:
+        return ""
+    now = config.to_dict()
+    diffs = [f"{k}={v!r} (here {now.get(k)!r})" for k, v in sorted(saved.items())
+             if k in now and now.get(k) != v and not k.startswith("_") and k not in ("architectures",
+                                                                                    "transformers_version")]
+    return ", ".join(diffs[:4])
 
 
 def state_of(modules, optimizers) -> dict:

@@ -127,8 +127,8 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
         if target:
             if ok:
                 pause("save", spec.debug.pause_at, spec.debug.pause_mode)
-                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume, source), model.config,
-                                                  m.class_name)
+                run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume, source, model.config),
+                                                  model.config, m.class_name)
                 say(f"checkpoint: {run['checkpoint']}")
             else:
                 target.discard()
@@ -200,7 +200,21 @@ def _metrics_log(spec: JobSpec, output_dir: str, costs: dict, resume):
                       first_step=resume["step"] if resume else 0)
 
 
-def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source) -> dict:
+def _json_config(config) -> dict:
+    """The model's transformers config, as ``ppsplit.json`` keeps it (what differs from its defaults)."""
+    import json
+
+    out = {}
+    for key, value in config.to_diff_dict().items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        out[key] = value
+    return out
+
+
+def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source, config=None) -> dict:
     """What ``ppsplit.json`` records beside a checkpoint: where training stands (the step, the
     data stream's next batch and sample) and how it was laid out."""
     step = (resume["step"] if resume else 0) + spec.steps
@@ -208,6 +222,7 @@ def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source) -> dict:
     return {
         "model": spec.model.name,
         "model_class": spec.model.class_name,
+        "model_config": _json_config(config) if config is not None else None,
         "step": step,
         "resumed_from": resume,
         "data": {"name": spec.data.name, "path": list(spec.data.path), "seed": spec.seed,

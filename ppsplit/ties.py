@@ -43,6 +43,15 @@ def _shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements).to_local()
 
 
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``param`` is (a DTensor of its mesh and placements, or a plain copy)."""
+    if not hasattr(param, "device_mesh"):
+        return full.clone()
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, param.device_mesh, param.placements)
+
+
 class TieSync:
     def __init__(self, groups, stage_keys, modules, rank_of_stage, rank, layout=None):
         """``modules`` are this rank's stages by index; ``rank_of_stage`` maps a stage to its
@@ -83,9 +92,10 @@ class TieSync:
             e["alike"] = self._alike(e)
         self._start_equal()
 
-    def _alike(self, e) -> bool:
-        """Whether every copy of the group, on every rank, is laid out alike (shards line up)."""
-        mine = {_layout(t) for t in e["local"]}
+    def _alike(self, e, tensors=None) -> bool:
+        """Whether every copy of the group (or ``tensors``: their gradients), on every rank, is
+        laid out alike (shards line up). Collective over the group's ranks."""
+        mine = {_layout(t) for t in (e["local"] if tensors is None else tensors)}
         if e["group"] is None:
             return len(mine) == 1
         seen = [None] * len(e["world_ranks"])
@@ -123,7 +133,12 @@ class TieSync:
             for t in e["local"]:
                 if t.grad is None:
                     t.grad = torch.zeros_like(t)
-            if e["alike"]:
+            if "grads_alike" not in e:
+                # The gradients may be laid out unlike their parameters (under tensor parallelism
+                # a tied embedding's gradient comes back whole where the head's is a shard): decide
+                # from the gradients themselves, once, together.
+                e["grads_alike"] = e["alike"] and self._alike(e, [t.grad for t in e["local"]])
+            if e["grads_alike"]:
                 total = torch.stack([_local(t.grad) for t in e["local"]]).sum(0)
                 if e["group"] is not None:
                     dist.all_reduce(total, group=e["group"])
@@ -133,8 +148,8 @@ class TieSync:
                 total = torch.stack([_full(t.grad) for t in e["local"]]).sum(0)
                 if e["group"] is not None:
                     dist.all_reduce(total, group=e["group"])
-                for t in e["local"]:
-                    _local(t.grad).copy_(_shard_of(total, t.grad))
+                for t in e["local"]:  # each copy gets the sum laid out as its parameter is
+                    t.grad = _like(total, t)
 
     @torch.no_grad()
     def check_equal(self, step: int) -> None:

@@ -50,7 +50,7 @@ def test_runs_the_main_job_and_a_sweep_from_an_unrelated_folder(venv, tmp_path):
     (report,) = tmp_path.glob("outputs/*/*/report.json")
     assert json.loads(report.read_text())["ok"]
     assert "PASSED" in (report.parent / "ppsplit.log").read_text()  # the console, in the run folder
-    sweep = ppsplit(venv, "-m", "launcher=inline", "steps=1", "stages=2,4", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    sweep = ppsplit(venv, "-m", "launcher=inline", "steps=0", "stages=2,4", "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert sweep.returncode == 0, sweep.stderr[-2000:]
     assert (tmp_path / "sweep" / "summary.csv").read_text().count("\n") == 3
 

@@ -9,10 +9,13 @@ import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+
+from conftest import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -109,14 +112,14 @@ def any_class(runs, cwd):
 def chain_resumes(runs, cwd):
     data = [load(reports[0]) for _, reports in runs]
     assert [d["run"]["resumed_from"] and d["run"]["resumed_from"]["step"] for d in data] == [None, 2, 4]
-    assert [(d["layout"]["pp"], d["layout"]["dp"]) for d in data] == [(2, 1), (4, 2), (1, 1)]
+    assert [(d["layout"]["pp"], d["layout"]["dp"]) for d in data] == [(2, 1), (2, 2), (1, 1)]
     hf = os.path.join(cwd, "ck", "c", "hf")
     assert os.path.isfile(os.path.join(hf, "config.json")) and glob.glob(os.path.join(hf, "*.safetensors"))
 
 
 def slurm_points_run_side_by_side(runs, cwd):
     assert all(load(r)["run"]["launcher"] == "slurm" for _, reports in runs for r in reports)
-    (sweep,) = [reports for command, reports in runs if " -m " in command]
+    (sweep,) = [reports for command, reports in runs if "ppsplit -m " in command]
     (a0, a1), (b0, b1) = [(load(r)["started_at"], load(r)["finished_at"]) for r in sweep]
     assert a0 < b1 and b0 < a1, "the sweep points ran one after another"
 
@@ -179,10 +182,10 @@ def test_shell_block_runs_as_written(tmp_path, body):
         subprocess.run(["bash", os.path.join(ROOT, "launchers", "slurm", "up.sh"), *nodes], check=True,
                        capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
     runs = []
+    setup = "pip install" in body  # the set-up lines run as the new interpreter they are
     for command in commands(body):  # in one folder: a later line may read what an earlier wrote
         before = reports_under(tmp_path)
-        proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True,
-                              timeout=900, stdin=subprocess.DEVNULL)
+        proc = run_command(command, tmp_path, forked=not setup)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         written = sorted(reports_under(tmp_path) - before)
         assert all(load(r)["ok"] for r in written), (command, written)
@@ -191,6 +194,22 @@ def test_shell_block_runs_as_written(tmp_path, body):
     for key, check in CLAIMS.items():
         if key in body:
             check(runs, str(tmp_path))
+
+
+def run_command(command: str, cwd, forked: bool = True) -> subprocess.CompletedProcess:
+    """A README command line as written. ``[VAR=value ...] python -m ppsplit ARGS`` is split as
+    the shell would and run as ``ppsplit`` (forked from the tests' warm launcher: the same
+    program, without the interpreter's start; ``forked=False`` starts it anew); anything else
+    goes to the shell."""
+    words = shlex.split(command, comments=True)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if forked and words[:3] == ["python", "-m", "ppsplit"]:
+        return run_cli(*words[3:], cwd=cwd, timeout=900, env=env)
+    return subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.parametrize("body", [pytest.param(b, id=f"line{n}") for b, n in PYTHON])

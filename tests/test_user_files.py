@@ -140,3 +140,15 @@ def test_a_sweep_folder_holding_an_earlier_sweep_is_refused(tmp_path):
     proc = run_cli("-m", "launcher=inline", "steps=0", "seed=1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert "holds an earlier sweep (multirun.yaml)" in one_error_line(proc)
     assert checksums(sweep) == before
+
+
+@pytest.mark.parametrize("change,expect", [
+    ("model.config.n_layer=2", "it has transformer.h.2."),
+    ("model.config.n_embd=32", "is [1000, 64] there, [1000, 32] here"),
+])
+def test_a_checkpoint_of_another_model_is_refused_before_any_rank(tmp_path, saved_checkpoint, change, expect):
+    proc = run_cli("optimizer=sgd", change, f"checkpoint.load={saved_checkpoint}",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    line = one_error_line(proc)
+    assert "holds another model" in line and expect in line and "saved with" in line, line
+    assert not (tmp_path / "run").exists()
