@@ -114,10 +114,11 @@ def _main(quick: bool, out_dir: str | None) -> dict:
     tps = {k: tokens / statistics.median(v) for k, v in samples.items()}
     row_s = metrics_row_cost(50 if quick else 500)
     step_s = statistics.median(samples["pipeline"])
+    headline = harness.ratio(samples["unsplit_2t"], samples["pipeline"])  # >1: the pipeline is faster
     data = {
         "quick": quick, "threads": 1, "batch": [spec["batch_size"], spec["seq_len"]],
         "model": spec["model"], "step_time_s": sides, "tokens_per_s": tps,
-        "ratio": harness.ratio(samples["unsplit_2t"], samples["pipeline"]),  # >1: the pipeline is faster
+        "ratio": headline["ratio"], "ratio_pairs": [headline["pair_min"], headline["pair_max"]],
         "pipeline_over_unsplit_1t": tps["pipeline"] / tps["unsplit_1t"],
         "pipeline_over_unsplit_2t": tps["pipeline"] / tps["unsplit_2t"],
         "recompute_over_plain": statistics.median(samples["recompute"]) / statistics.median(samples["unsplit_1t"]),
