@@ -157,15 +157,15 @@ class Target:
         self.staging = os.path.join(parent, f".{os.path.basename(self.folder)}.partial-{token}")
         return self.staging
 
-    def commit(self, meta: dict, config=None, architecture: str | None = None) -> str:
+    def commit(self, meta: dict, config=None, architecture: str | None = None, rows=None) -> str:
         """Move the finished checkpoint into place; returns its folder. With ``config``, its
         ``hf/`` folder gets the model's ``config.json`` (``architecture``: the model class)."""
         self.check()  # nothing appeared there meanwhile that we must not replace
-        if config is not None and os.path.isdir(os.path.join(self.staging, "hf")):
-            finish_hf(os.path.join(self.staging, "hf"), config, architecture)
-        with open(os.path.join(self.staging, MARKER), "w") as f:
-            json.dump({"format": FORMAT, "saved_at": time.time(), **meta,
-                       "files": manifest_of(self.staging)}, f, indent=2)
+        if rows is not None:
+            from ppsplit.metrics import write_rows
+
+            write_rows(os.path.join(self.staging, "metrics.csv"), rows)
+        seal(self.staging, meta, config, architecture)
         old = None
         if os.path.isdir(self.folder):
             if os.listdir(self.folder):
@@ -190,6 +190,15 @@ class Target:
             except OSError:
                 break
         self._made_parents = []
+
+
+def seal(staging: str, meta: dict, config=None, architecture: str | None = None) -> None:
+    """Finish a staged checkpoint: its ``hf/`` folder made whole (with ``config``), then
+    ``ppsplit.json`` with the manifest of every file, written last."""
+    if config is not None and os.path.isdir(os.path.join(staging, "hf")):
+        finish_hf(os.path.join(staging, "hf"), config, architecture)
+    with open(os.path.join(staging, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "saved_at": time.time(), **meta, "files": manifest_of(staging)}, f, indent=2)
 
 
 def _check_writable(folder: str, key: str) -> None:

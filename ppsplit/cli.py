@@ -49,19 +49,19 @@ def run(cfg: DictConfig, output_dir: str, overrides=None, progress=None) -> int:
 
     Returns the exit status: 0 when every check passes, 1 when one fails. Raises
     :class:`PpsplitError` for bad input, :class:`CheckFailed` when a rank fails, and
-    :class:`~ppsplit.dispatch.Interrupted` on SIGINT, SIGTERM or SIGHUP (the ranks are stopped).
+    :class:`~ppsplit.stop_signals.Interrupted` on SIGINT, SIGTERM or SIGHUP (the ranks are stopped).
     """
     spec = check_config(cfg, overrides)
-    from ppsplit import dispatch, job  # torch and transformers load only once the config is sound
+    from ppsplit import job, stop_signals  # torch and transformers load only once the config is sound
 
     handlers = None
     if threading.current_thread() is threading.main_thread():
-        handlers = dispatch.install_signal_handlers()
+        handlers = stop_signals.install_signal_handlers()
     try:
         return job.run_job(spec, output_dir, progress)
     finally:
         if handlers is not None:
-            dispatch.restore_signal_handlers(handlers)
+            stop_signals.restore_signal_handlers(handlers)
 
 
 class RunFolder:
@@ -200,7 +200,7 @@ class RunGuard(Callback):
 
 
 def _message(err: BaseException) -> tuple[str, int]:
-    from ppsplit.dispatch import Interrupted
+    from ppsplit.stop_signals import Interrupted
 
     if isinstance(err, PpsplitError):
         return f"ppsplit: error: {err}", 2
@@ -243,7 +243,7 @@ def hydra_main(cfg: DictConfig) -> int:
     output_dir = hydra_cfg.runtime.output_dir
     single = hydra_cfg.mode == RunMode.RUN
     overrides = list(hydra_cfg.overrides.task)
-    message = None
+    message = saved = None
     log = open(os.path.join(output_dir, f"{hydra_cfg.job.name}.log"), "a")
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
@@ -256,10 +256,11 @@ def hydra_main(cfg: DictConfig) -> int:
             if isinstance(err, SystemExit):
                 raise
             message, code = _message(err)
+            saved = getattr(err, "saved", None)
         if message and code > 128:
-            from ppsplit.dispatch import say_interrupted
+            from ppsplit.stop_signals import say_interrupted
 
-            say_interrupted(code - 128)
+            say_interrupted(code - 128, saved)
         elif message:
             print(message, file=sys.stderr, flush=True)
     finally:

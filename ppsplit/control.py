@@ -80,6 +80,11 @@ class DriverChannel:
         except Exception:  # the store is ours; failing to write it only loses the courtesy
             pass
 
+    def request_stop(self) -> None:
+        """Ask the ranks to save at their next step boundary and end (a stop signal under
+        ``checkpoint.every``)."""
+        self.store.set(self._key("stop"), "1")
+
     def close(self) -> None:
         try:
             self._socket.close()
@@ -96,6 +101,8 @@ class RankChannel:
         self.token, self.rank, self.driver_pid = token, rank, driver_pid
         self.phase, self.step, self.progress, self.completed = "starting", None, 0, 0
         self.recent: dict[str, dict] = {}  # step (as a JSON key) -> its loss and metrics, the last few
+        self.saved: list[int] = []  # the periodic checkpoints written whole, by step
+        self.stop_requested = threading.Event()  # the driver asks for a checkpoint and the end
         self._main = threading.main_thread()
         self._stop = threading.Event()
         self.store = _store(host, port, timeout_s=timeout_s)  # the main thread's: rendezvous, errors, done
@@ -129,6 +136,12 @@ class RankChannel:
             del self.recent[old]
         self.progress += 1
 
+    def checkpoint_saved(self, step: int) -> None:
+        """Every rank has written the periodic checkpoint of ``step`` (said by rank 0 once
+        torch.distributed.checkpoint's save, which ends with the metadata, returned)."""
+        self.saved = [*self.saved, step]
+        self.progress += 1
+
     def where(self) -> tuple[str, bool]:
         """The main thread's innermost frame, and whether it waits on a peer (a collective or a
         pipeline send/receive in torch.distributed)."""
@@ -148,7 +161,8 @@ class RankChannel:
         where, waiting = self.where()
         self._beats += 1
         beat = {"beat": self._beats, "progress": self.progress, "phase": self.phase, "step": self.step,
-                "completed": self.completed, "recent": dict(self.recent), "where": where, "waiting": waiting, "pid": os.getpid(),
+                "completed": self.completed, "recent": dict(self.recent), "saved": self.saved, "where": where,
+                "waiting": waiting, "pid": os.getpid(),
                 "host": socket.gethostname()}
         self._beat_store.set(self._key("beat", self.rank), json.dumps(beat))
 
@@ -157,6 +171,8 @@ class RankChannel:
             try:
                 self._publish()
                 aborted = self._beat_store.check([self._key("abort")])
+                if not self.stop_requested.is_set() and self._beat_store.check([self._key("stop")]):
+                    self.stop_requested.set()
             except Exception:  # the driver's store is gone, or has not answered for DRIVER_LOST_S
                 self._exit(EXIT_DRIVER_GONE, "its driver is gone (the control store stopped answering)")
             if aborted:

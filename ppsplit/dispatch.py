@@ -31,6 +31,7 @@ from ppsplit.errors import CheckFailed
 from ppsplit.job_spec import JobSpec
 from ppsplit.local_ranks import LocalProcesses
 from ppsplit.slurm_ranks import SlurmJob, driver_address
+from ppsplit.stop_signals import ACTIVE, RanksFailed, interrupt_main
 
 POLL_S = 0.25
 ROOT_CAUSE_GRACE_S = RANK_LOST_S + 1.0  # after a lost-peer error, wait this long for its cause
@@ -40,20 +41,19 @@ LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "Timed out waiting")
 
 
-class RanksFailed(BaseException):
-    """Raised in the driver's main thread by the monitor when the ranks fail meanwhile."""
+class JobStopped(CheckFailed):
+    """SLURM signalled the ranks' job (its time limit is near, or it is preempted): they saved
+    at step ``step`` and ended. ``saved``: that checkpoint, once sealed."""
 
+    def __init__(self, step: int, job: str, cancelled: bool = False):
+        self.step, self.job, self.saved, self.cancelled = step, job, None, cancelled
+        why = "was cancelled (scancel)" if cancelled else \
+            "was signalled by SLURM (its time limit, a preemption or a requeue)"
+        super().__init__(f"{job} {why}; the ranks stopped at step {step}")
 
-class Interrupted(BaseException):
-    """The driver got a signal asking it to stop (SIGINT, SIGTERM, SIGHUP)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}; checkpoint: {self.saved} (checkpoint.load=auto goes on from it)" if self.saved else base
 
 
 # --- the ranks of one run ------------------------------------------------------------------
@@ -62,11 +62,15 @@ class Ranks:
     """The ranks of one run: started by :meth:`start`, watched by a monitor thread, stopped on
     leaving the ``with`` block unless they finished."""
 
-    def __init__(self, spec: JobSpec, run_dir: str, progress=None, on_step=None):
+    def __init__(self, spec: JobSpec, run_dir: str, progress=None, on_step=None, on_saved=None):
         """``on_step(k, loss, lr, grad_norm, time_s, val_loss)``: called from the monitor for each
-        step the ranks finish, in order, with what their heartbeats carried (the metrics log)."""
+        step the ranks finish, in order, with what their heartbeats carried (the metrics log).
+        ``on_saved(step)``: for each periodic checkpoint the ranks have written whole."""
         self.spec = spec
         self.on_step = on_step
+        self.on_saved = on_saved
+        self._saved: set[int] = set()
+        self.stop_signal: int | None = None  # a stop signal the ranks save for before they end
         self.world = spec.world_size
         self.folder = os.path.join(run_dir, "ranks")
         from ppsplit.report import Progress
@@ -101,7 +105,7 @@ class Ranks:
                                     self.world)
         self._thread = threading.Thread(target=self._watch, name="ppsplit-monitor", daemon=True)
         self._thread.start()
-        _ACTIVE.add(self)
+        ACTIVE.add(self)
         return self
 
     def say_started(self) -> None:
@@ -119,7 +123,7 @@ class Ranks:
             self.backend.kill()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _ACTIVE.discard(self)
+        ACTIVE.discard(self)
         self._closing = True  # from here on the monitor never interrupts the main thread
         if self.backend is not None and self.results is None:
             self.cancel(f"the driver stopped ({exc_type.__name__ if exc_type else 'done'})")
@@ -133,6 +137,21 @@ class Ranks:
         if exc_type is RanksFailed and self.failure:
             raise CheckFailed(self.failure) from None
         return False
+
+    def can_save_on_stop(self) -> bool:
+        """Whether a stop signal now ends the ranks at their next step boundary, with a
+        checkpoint (``checkpoint.every``, the ranks started and not finished)."""
+        return self.on_saved is not None and self.channel is not None and self.results is None \
+            and not self._done.is_set()
+
+    def request_stop(self, signum: int) -> None:
+        self.stop_signal = signum
+        self.progress(f"{signal.Signals(signum).name}: the ranks save at their next step boundary, then end")
+        self.channel.request_stop()
+
+    def stopped_at(self) -> int | None:
+        """The step the ranks stopped at, asked to by a signal (None: they ran to the end)."""
+        return next((r.get("stopped_at") for r in self.results or () if r["rank"] == 0), None)
 
     def cancel(self, reason: str) -> None:
         self._done.set()
@@ -172,6 +191,7 @@ class Ranks:
                 return self._finish()
             self._report_placement()
             self._report_steps()
+            self._report_saves((self._beats.get(0) or {}).get("saved") or ())
             failure = self._stalled(seen, now) or self._job_ended()
             if failure:
                 return self._fail(failure)
@@ -210,6 +230,7 @@ class Ranks:
 
     def _finish(self) -> None:
         self.results = self._load_results()
+        self._report_saves(next((r.get("saved_steps") or () for r in self.results if r["rank"] == 0), ()))
         done = max((len(r["step_times_s"]) for r in self.results), default=0)
         if done > self._reported_step:
             spec, last = self.spec, done - 1
@@ -287,6 +308,14 @@ class Ranks:
             self.progress.step(completed, spec.steps, tokens_per_s=tokens / measured["time_s"]
                                if measured.get("time_s") else None, **measured)
 
+    def _report_saves(self, steps) -> None:
+        """Each periodic checkpoint rank 0 says the ranks finished, once."""
+        for step in steps:
+            if step not in self._saved:
+                self._saved.add(step)
+                if self.on_saved is not None:
+                    self.on_saved(step)
+
     def step_metrics(self, step: int) -> dict:
         """What the ranks measured at ``step`` (0-based), as far as their heartbeats still carry
         it: the global batch's loss (the mean over the ranks of the last stage), the learning
@@ -332,7 +361,7 @@ class Ranks:
         self.failure = message
         self.cancel(message)
         if not self._waiting and not self._closing:
-            _interrupt_main()
+            interrupt_main()
 
     def _load_results(self) -> list[dict]:
         import torch
@@ -361,13 +390,6 @@ def _mean_last_loss(results: list[dict]) -> float | None:
     return sum(last) / len(last) if last else None
 
 
-def _interrupt_main() -> None:
-    import _thread
-
-    with contextlib.suppress(Exception):
-        _thread.interrupt_main(signal.SIGUSR1)
-
-
 def _lost_peer(line: str) -> bool:
     return any(s in line for s in LOST_PEER)
 
@@ -384,59 +406,3 @@ def _describe_exit(status: int) -> str:
     if status == 0:
         return "ended without a result"
     return f"exited with status {status} without reporting an error"
-
-
-STOP_GRACE_S = 1.5  # after a stop signal the driver ends this long later, whatever it is doing
-_ACTIVE: set = set()  # the Ranks of the runs under way in this process
-_STOPPING = threading.Event()
-_SAID = threading.Lock()
-_said = False
-
-
-def say_interrupted(signum: int) -> None:
-    """The one line a stopped driver prints (once, whoever gets there first)."""
-    global _said
-    import sys
-
-    with _SAID:
-        if not _said:
-            _said = True
-            print(f"ppsplit: interrupted by {signal.Signals(signum).name}; no rank is left running",
-                  file=sys.stderr, flush=True)
-
-
-def install_signal_handlers() -> dict:
-    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread, and SIGUSR1
-    (the monitor's) :class:`RanksFailed`; returns the previous handlers. The first stop signal
-    also arms a watchdog: if the driver has not ended :data:`STOP_GRACE_S` later (a long native
-    call that keeps the handler from running, a slow exit), it kills the ranks and ends the
-    process itself. Later stop signals change nothing."""
-    def interrupted(signum, frame):
-        if _STOPPING.is_set():
-            return
-        _STOPPING.set()
-        threading.Thread(target=_watchdog, args=(signum,), name="ppsplit-stop", daemon=True).start()
-        raise Interrupted(signum)
-
-    def failed(signum, frame):
-        raise RanksFailed()
-
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        previous[sig] = signal.signal(sig, interrupted)
-    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, failed)
-    return previous
-
-
-def _watchdog(signum: int) -> None:
-    time.sleep(STOP_GRACE_S)
-    for ranks in list(_ACTIVE):
-        with contextlib.suppress(Exception):
-            ranks.kill_now()
-    say_interrupted(signum)
-    os._exit(128 + signum)
-
-
-def restore_signal_handlers(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)

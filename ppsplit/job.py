@@ -12,7 +12,8 @@ from ppsplit import build, report
 from ppsplit.debug import pause
 from ppsplit.errors import PpsplitError
 from ppsplit.job_checks import validate
-from ppsplit.job_spec import JobSpec
+from ppsplit.checkpoint_series import data_identity
+from ppsplit.job_spec import AUTO, JobSpec
 from ppsplit.plan import balance, stage_costs
 from ppsplit.report import Progress
 from ppsplit.trace_split import split as split_model
@@ -20,14 +21,98 @@ from ppsplit.verify import verify_fqns, verify_numerics
 
 
 def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) -> int:
+    """The whole job; under ``launcher.requeue``, one SLURM job after another until its last
+    step, each going on from the checkpoint the one before saved when SLURM signalled it."""
+    from ppsplit.checkpoint_series import newest
+    from ppsplit.dispatch import JobStopped
+
     say = progress or Progress(enabled=False)
-    m = spec.model
+    restarts: list[dict] = []
+    whole = spec.steps
+    if spec.checkpoint.load and not spec.checkpoint.auto:
+        from ppsplit.checkpoint_folder import read_meta
+
+        whole += int(read_meta(spec.checkpoint.load)["step"])
+    while True:
+        try:
+            return _run_once(spec, output_dir, say, restarts)
+        except JobStopped as err:
+            if err.cancelled or not (spec.launcher.requeue and len(restarts) < spec.launcher.max_requeue):
+                raise
+            # signalled before its first step, a job saves nothing new: the next starts as it did
+            saved = err.saved or (newest(spec.checkpoint.dir) if spec.checkpoint.auto else spec.checkpoint.load)
+            restarts.append({"job": err.job, "stopped_at": err.step, "checkpoint": saved})
+            say(f"{err.job} was signalled by SLURM at step {err.step}: going on in a new job from "
+                f"{saved or 'step 0'} (restart {len(restarts)} of launcher.max_requeue={spec.launcher.max_requeue})")
+            if err.saved:
+                spec = spec.with_checkpoint(load=AUTO, steps=whole)
+
+
+def _run_once(spec: JobSpec, output_dir: str, say, restarts: list[dict]) -> int:
     config = validate(spec)
+    auto = spec.checkpoint.auto
+    if auto:
+        spec, done = _resolve_auto(spec, say, config)
+        if done is not None:
+            return _nothing_left(spec, output_dir, *done)
     target = None
     if spec.checkpoint.save:
-        from ppsplit.checkpoint_folder import Target
+        folder = spec.checkpoint.dir or os.path.join(output_dir, "checkpoint")
+        if spec.checkpoint.every:
+            from ppsplit.checkpoint_folder import read_meta
+            from ppsplit.checkpoint_series import Series
 
-        target = Target(spec.checkpoint.dir or os.path.join(output_dir, "checkpoint"), spec.checkpoint.overwrite)
+            at = int(read_meta(spec.checkpoint.load)["step"]) if spec.checkpoint.load else 0
+            target = Series(folder, spec.checkpoint.every, spec.checkpoint.keep, at + spec.steps, auto)
+        else:
+            from ppsplit.checkpoint_folder import Target
+
+            target = Target(folder, spec.checkpoint.overwrite)
+    try:
+        return _run_job(spec, output_dir, say, config, target, restarts)
+    finally:
+        if hasattr(target, "close"):
+            target.close()
+
+
+def _resolve_auto(spec: JobSpec, say, config) -> tuple[JobSpec, tuple | None]:
+    """``checkpoint.load=auto``: the newest step folder to go on from, with the steps left of
+    ``steps`` (the whole run's), or a fresh start when there is none. One of another model
+    config is refused (this run's resumes would go on from another model)."""
+    from ppsplit.checkpoint import _config_changes
+    from ppsplit.checkpoint_folder import read_meta
+    from ppsplit.checkpoint_series import newest
+
+    found = newest(spec.checkpoint.dir)
+    if found is None:
+        say(f"checkpoint.load=auto: no checkpoint in {spec.checkpoint.dir} yet; starting at step 0")
+        return spec.with_checkpoint(load=None), None
+    meta = read_meta(found)
+    changed = _config_changes(meta.get("model_config"), config)
+    if changed:
+        raise PpsplitError(f"checkpoint.load=auto: {found} holds another model: saved with {changed}; allowed: "
+                           "the same model config, or another checkpoint.dir")
+    at = int(meta["step"])
+    if at >= spec.steps:
+        return spec, (found, at)
+    say(f"checkpoint.load=auto: going on from {found} (step {at} of steps={spec.steps})")
+    return spec.with_checkpoint(load=found, steps=spec.steps - at), None
+
+
+def _nothing_left(spec: JobSpec, output_dir: str, found: str, at: int) -> int:
+    """A run resumed at or past its last step: nothing to train; said, and reported."""
+    path = os.path.join(output_dir, "report.json")
+    report.write_json(path, {"model": spec.model.name, "model_class": spec.model.class_name,
+                             "nothing_left": {"checkpoint": found, "step": at, "steps": spec.steps},
+                             "started_at": time.time(), "finished_at": time.time(), "ok": True})
+    print(f"checkpoint.load=auto: {found} is at step {at}, and steps={spec.steps}: nothing left to train", flush=True)
+    print(f"PASSED; report: {path}", flush=True)
+    return 0
+
+
+def _run_job(spec: JobSpec, output_dir: str, say, config, target, restarts=()) -> int:
+    m = spec.model
+    saves = log = None
     if spec.launcher.name == "slurm" and spec.steps > 0:
         from ppsplit.slurm_ranks import check_slurm_controller
 
@@ -88,11 +173,15 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
                 # Start the ranks first: the driver checks the split while they build their stages.
                 from ppsplit import dispatch
 
-                log = _metrics_log(spec, output_dir, costs, resume)
+                log = _metrics_log(spec, output_dir, costs, resume, len(restarts))
                 stack.callback(log.close)
-                ranks = stack.enter_context(dispatch.Ranks(spec, output_dir, say, on_step=log.record))
+                saves = _periodic(spec, target, split, resume, source, model.config, log, say)
+                ranks = stack.enter_context(dispatch.Ranks(spec, output_dir, say, on_step=_then(log.record, saves),
+                                                           on_saved=saves.saved if saves else None))
                 staging = target.stage(os.urandom(4).hex()) if target else None
                 ranks.start({"checkpoint_dir": staging, "load_dir": spec.checkpoint.load,
+                             "series": {"dir": target.folder, "every": target.every, "token": target.token}
+                             if saves else None,
                              "hf_dir": os.path.join(staging, "hf") if staging and spec.checkpoint.hf else None,
                              "data_file": data_file, "first_index": source.first_index,
                              "first_sample": source.first_sample})
@@ -117,22 +206,39 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
                 from ppsplit.train_compare import train_and_compare
 
                 if ranks is None:
-                    log = _metrics_log(spec, output_dir, costs, resume)
+                    log = _metrics_log(spec, output_dir, costs, resume, len(restarts))
                     stack.callback(log.close)
+                    saves = _periodic(spec, target, split, resume, source, model.config, log, say)
                     if target:
                         target.stage(os.urandom(4).hex())
-                run = train_and_compare(spec, model, split, source, loss_fn, ranks, target, say, resume, masks, log)
+                run = train_and_compare(spec, model, split, source, loss_fn, ranks, target, say, resume, masks, log,
+                                        saves)
+                if saves:
+                    saves.flush(force=True)  # the steps whose rows came only with the results
+                    run["checkpoints"] = list(target.committed)
+                if spec.launcher.requeue:
+                    run["restarts"] = list(restarts)
                 print(report.format_run(run), flush=True)
         ok = fqn.ok and numerics_ok and (run is None or run["ok"])
         if target:
             if ok:
                 pause("save", spec.debug.pause_at, spec.debug.pause_mode)
                 run["checkpoint"] = target.commit(checkpoint_meta(spec, split, resume, source, model.config),
-                                                  model.config, m.class_name)
+                                                  model.config, m.class_name,
+                                                  rows=log.rows_through(log.last_step()) if log else None)
+                if saves:
+                    run["checkpoints"] = list(target.committed)
                 say(f"checkpoint: {run['checkpoint']}")
             else:
                 target.discard()
-    except BaseException:
+    except BaseException as err:
+        if saves:
+            try:  # the periodic checkpoints the ranks finished stand, whatever ended the run
+                saves.flush(force=True)
+            except Exception:
+                pass
+            if target.committed and hasattr(err, "saved"):  # a stop signal, SLURM's: the run goes on from here
+                err.saved = target.committed[-1]
         if target:
             target.discard()
         raise
@@ -166,6 +272,29 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None) ->
     return 0 if ok else 1
 
 
+def _periodic(spec: JobSpec, target, split, resume, source, config, log, say):
+    """The driver's side of ``checkpoint.every``: the step folders the ranks save, sealed."""
+    if not spec.checkpoint.every or target is None:
+        return None
+    from ppsplit.checkpoint_series import PeriodicSaves
+
+    saves = PeriodicSaves(target, lambda step: checkpoint_meta(spec, split, resume, source, config, step=step), log)
+    saves.say = say
+    return saves
+
+
+def _then(record, saves):
+    """The metrics log's ``record``, then the periodic saves that waited for its row."""
+    if saves is None:
+        return record
+
+    def both(*args, **kwargs):
+        record(*args, **kwargs)
+        saves.flush()
+
+    return both
+
+
 def _prepare_data(spec: JobSpec, config, say) -> str | None:
     """Tokenize and pack a corpus once, before any rank starts (refusing what cannot train)."""
     if not spec.data.real or spec.steps == 0:
@@ -191,13 +320,18 @@ def _data_section(spec: JobSpec, data_file: str | None) -> dict:
     return out
 
 
-def _metrics_log(spec: JobSpec, output_dir: str, costs: dict, resume):
+def _metrics_log(spec: JobSpec, output_dir: str, costs: dict, resume, restart: int = 0):
     from ppsplit.metrics import MetricsLog, matmul_peak
 
     ranks = spec.world_size if spec.distributed else 1
     flops = sum(costs["flops"]) * spec.parallel.dp * spec.train.grad_accumulation  # the global batch's
+    prior = None
+    if resume:  # the rows up to the checkpoint's step, so that metrics.csv goes on
+        from ppsplit.metrics import read_rows
+
+        prior = read_rows(os.path.join(resume["checkpoint"], "metrics.csv"))
     return MetricsLog(output_dir, spec, flops, matmul_peak(spec.launcher.cpus_per_task), ranks,
-                      first_step=resume["step"] if resume else 0)
+                      first_step=resume["step"] if resume else 0, prior=prior, restart=restart)
 
 
 def _json_config(config) -> dict:
@@ -214,10 +348,12 @@ def _json_config(config) -> dict:
     return out
 
 
-def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source, config=None) -> dict:
+def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source, config=None, step: int | None = None) -> dict:
     """What ``ppsplit.json`` records beside a checkpoint: where training stands (the step, the
-    data stream's next batch and sample) and how it was laid out."""
-    step = (resume["step"] if resume else 0) + spec.steps
+    data stream's next batch and sample) and how it was laid out. ``step``: a periodic one's
+    (default: the run's last)."""
+    if step is None:
+        step = (resume["step"] if resume else 0) + spec.steps
     next_index = step * spec.train.grad_accumulation
     return {
         "model": spec.model.name,
@@ -225,8 +361,7 @@ def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source, config=No
         "model_config": _json_config(config) if config is not None else None,
         "step": step,
         "resumed_from": resume,
-        "data": {"name": spec.data.name, "path": list(spec.data.path), "seed": spec.seed,
-                 "batch_size": spec.batch_size, "seq_len": spec.seq_len, "seq_lens": list(spec.seq_lens),
+        "data": {**data_identity(spec),
                  "microbatches": spec.microbatches, "next_step": step, "next_batch": next_index,
                  "next_sample": source.sample_of(next_index)},
         "optimizer": spec.optimizer,

@@ -15,6 +15,9 @@ from ppsplit.schedules import ZERO_BUBBLE, RankPlan
 
 def check_run(spec: JobSpec) -> None:
     """The schedule, the layout and the launcher can run together (only where ranks run)."""
+    if spec.launcher.requeue and not (spec.checkpoint.every and spec.checkpoint.dir):
+        raise PpsplitError("launcher.requeue=true goes on from the step folders checkpoint.every writes; allowed: "
+                           "checkpoint.every=N and checkpoint.dir=DIR with it")
     if spec.debug.defect and (not spec.distributed or spec.steps == 0):
         raise PpsplitError(f"debug.defect={spec.debug.defect}: the ranks inject it; allowed: launcher=local or "
                            "launcher=slurm with steps >= 1")
@@ -43,11 +46,27 @@ def validate(spec: JobSpec):
     """Everything that can be checked before the model is traced; returns the model's config."""
     config = check_model(spec)
     check_run(spec)
-    if spec.checkpoint.save and spec.checkpoint.dir:
+    ck = spec.checkpoint
+    if ck.every is not None and ck.dir:
+        from ppsplit import checkpoint_series as series
+
+        series.check_folder(ck.dir, ck.auto)  # refuses a folder it must not write step folders into
+        holder = series.Lock.holder(ck.dir)
+        if holder:
+            raise PpsplitError(f"checkpoint.dir={ck.dir!r} is in use by another run (pid {holder}); "
+                               "allowed: another folder, or wait until that run ends")
+    elif ck.save and ck.dir:
         from ppsplit.checkpoint_folder import Target
 
-        Target(spec.checkpoint.dir, spec.checkpoint.overwrite)  # refuses a folder it must not touch
-    if spec.checkpoint.load:
+        Target(ck.dir, ck.overwrite)  # refuses a folder it must not touch
+    if ck.auto:
+        from ppsplit import checkpoint_series as series
+        from ppsplit.checkpoint_folder import check_loadable
+
+        newest = series.check_auto_resume(ck.dir, series.data_identity(spec))
+        if newest:
+            check_loadable(newest, spec.model.class_name)
+    elif ck.load:
         from ppsplit.checkpoint_folder import check_loadable
 
         check_loadable(spec.checkpoint.load, spec.model.class_name)

@@ -30,6 +30,8 @@ INITS = ("real", "meta", "auto")
 # transformers' tensor-parallel styles that ppsplit applies (ppsplit.layout maps them to torch's).
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicate")
 
+AUTO = "auto"  # checkpoint.load=auto
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -64,6 +66,9 @@ class LauncherSpec:
     gpus_per_task: int | None = None
     additional_parameters: dict = field(default_factory=dict)
     driver_host: str = "auto"  # where SLURM ranks reach the driver; auto: see slurm_ranks.driver_address
+    requeue: bool = False  # a job SLURM signals (time limit, preemption) saves, and the run goes on in a new one
+    max_requeue: int = 3
+    signal_delay_s: int = 90  # SLURM signals the ranks this long before the time limit
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,14 @@ class CheckpointSpec:
     save: bool = False
     dir: str | None = None  # absolute; None: checkpoint/ in the run folder
     overwrite: bool = False
-    load: str | None = None
+    load: str | None = None  # a checkpoint folder, or "auto": the newest step folder under dir
     hf: bool = False
+    every: int | None = None  # a step folder under dir every N steps (and at the end)
+    keep: int | None = None  # the newest K step folders kept; None: all
+
+    @property
+    def auto(self) -> bool:
+        return self.load == AUTO
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,10 @@ class JobSpec:
 
     def with_model(self, **changes) -> "JobSpec":
         return replace(self, model=replace(self.model, **changes))
+
+    def with_checkpoint(self, steps: int | None = None, **changes) -> "JobSpec":
+        return replace(self, checkpoint=replace(self.checkpoint, **changes),
+                       steps=self.steps if steps is None else steps)
 
 
 # --- the whole config ------------------------------------------------------------------------
@@ -330,6 +345,9 @@ def _launcher_spec(cfg) -> LauncherSpec:
         additional_parameters=mapping("launcher.additional_parameters",
                                        get(cfg, "launcher.additional_parameters")),
         driver_host=text("launcher.driver_host", get(cfg, "launcher.driver_host", "auto")) or "auto",
+        requeue=boolean("launcher.requeue", get(cfg, "launcher.requeue", False)),
+        max_requeue=integer("launcher.max_requeue", get(cfg, "launcher.max_requeue", 3), 0),
+        signal_delay_s=integer("launcher.signal_delay_s", get(cfg, "launcher.signal_delay_s", 90), 1),
     )
 
 
@@ -350,12 +368,31 @@ def _optimizer_spec(cfg) -> dict:
 def _checkpoint_spec(cfg) -> CheckpointSpec:
     directory = text("checkpoint.dir", get(cfg, "checkpoint.dir"))
     load = text("checkpoint.load", get(cfg, "checkpoint.load"))
+    every = get(cfg, "checkpoint.every")
+    keep = get(cfg, "checkpoint.keep")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise PpsplitError(f"checkpoint.every={every!r}: allowed: a whole number of steps >= 1, or null "
+                           "(one checkpoint, at the end)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise PpsplitError(f"checkpoint.keep={keep!r}: allowed: a whole number >= 1 (the newest K step "
+                           "folders kept), or null (all)")
+    if keep is not None and every is None:
+        raise PpsplitError(f"checkpoint.keep={keep} without checkpoint.every: there is one checkpoint only; "
+                           "allowed: checkpoint.every=N with it")
+    overwrite = boolean("checkpoint.overwrite", get(cfg, "checkpoint.overwrite", False))
+    if every is not None and overwrite:
+        raise PpsplitError("checkpoint.overwrite=true with checkpoint.every: step folders are never replaced; "
+                           "allowed: checkpoint.load=auto to go on from the newest, or a new checkpoint.dir")
+    if load == AUTO and (every is None or not directory):
+        raise PpsplitError("checkpoint.load=auto resumes from the step folders checkpoint.every writes under "
+                           "checkpoint.dir; allowed: checkpoint.every=N and checkpoint.dir=DIR with it")
     return CheckpointSpec(
-        save=boolean("checkpoint.save", get(cfg, "checkpoint.save", False)),
+        save=every is not None or boolean("checkpoint.save", get(cfg, "checkpoint.save", False)),
         dir=os.path.abspath(os.path.expanduser(directory)) if directory else None,
-        overwrite=boolean("checkpoint.overwrite", get(cfg, "checkpoint.overwrite", False)),
-        load=os.path.abspath(os.path.expanduser(load)) if load else None,
+        overwrite=overwrite,
+        load=AUTO if load == AUTO else os.path.abspath(os.path.expanduser(load)) if load else None,
         hf=boolean("checkpoint.hf", get(cfg, "checkpoint.hf", False)),
+        every=every, keep=keep,
     )
 
 

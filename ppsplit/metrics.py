@@ -1,6 +1,7 @@
 """What a training run measures, written as it goes: ``metrics.csv`` in the run folder (a row per
 optimizer step: loss, learning rate, gradient norm before clipping, tokens/s, MFU, and the
-validation loss and perplexity where one was taken), the same scalars as TensorBoard event files
+validation loss and perplexity where one was taken, and ``restart``: how many times SLURM's
+signal had moved the run to a new job by then, under ``launcher.requeue``), the same scalars as TensorBoard event files
 (``metrics.tensorboard=true``), and ``loss.png`` at the end.
 
 Tokens/s counts the global batch's tokens (``batch_size x seq_len x grad_accumulation``) over the
@@ -18,7 +19,7 @@ import os
 import threading
 import time
 
-COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_ppl")
+COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_ppl", "restart")
 
 
 def matmul_peak(threads: int = 1, size: int = 256, seconds: float = 0.1) -> float:
@@ -41,13 +42,15 @@ def matmul_peak(threads: int = 1, size: int = 256, seconds: float = 0.1) -> floa
 
 class MetricsLog:
     """Rows in step order, written as they come (a step whose row arrives early waits for the
-    ones before it). ``first_step``: the step a resumed run starts from."""
+    ones before it). ``first_step``: the step a resumed run starts from; ``prior``: the rows of
+    the steps before it (from the checkpoint), written first, so that the file goes on."""
 
     def __init__(self, run_dir: str, spec, flops_per_step: float, peak_flops: float | None, ranks: int,
-                 first_step: int = 0):
+                 first_step: int = 0, prior: list[dict] | None = None, restart: int = 0):
         self.run_dir, self.spec = run_dir, spec
+        self.prior = [r for r in prior or () if r["step"] <= first_step]
         self.flops, self.peak, self.ranks = flops_per_step, peak_flops, ranks
-        self.first_step = first_step
+        self.first_step, self.restart = first_step, restart
         self.rows: list[dict] = []
         self._waiting: dict[int, dict] = {}
         self._lock = threading.Lock()
@@ -63,6 +66,8 @@ class MetricsLog:
             self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
             if fresh:
                 self._csv.writeheader()
+                for row in self.prior:
+                    self._csv.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in COLUMNS})
         if self.spec.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -78,7 +83,7 @@ class MetricsLog:
         mfu = (self.flops / (time_s * self.ranks * self.peak) if time_s and self.peak and self.flops else None)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                "mfu": mfu, "time_s": time_s, "val_loss": val_loss,
-               "val_ppl": math.exp(min(val_loss, 700)) if val_loss is not None else None}
+               "val_ppl": math.exp(min(val_loss, 700)) if val_loss is not None else None, "restart": self.restart}
         with self._lock:
             if any(r["step"] == step for r in self.rows):
                 return
@@ -104,7 +109,16 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
         if self.spec.metrics.plot and self.rows:
-            plot_losses(self.rows, os.path.join(self.run_dir, "loss.png"))
+            plot_losses(self.prior + self.rows, os.path.join(self.run_dir, "loss.png"))
+
+    def last_step(self) -> int:
+        """The last step whose row is written (steps counted from 1)."""
+        return self.first_step + len(self.rows)
+
+    def rows_through(self, step: int) -> list[dict]:
+        """Every row up to ``step``, the resumed-from run's first: what a checkpoint there keeps."""
+        with self._lock:
+            return [dict(r) for r in self.prior + self.rows if r["step"] <= step]
 
     def summary(self) -> dict:
         """Medians over the steps after the first, for the report."""
@@ -115,6 +129,28 @@ class MetricsLog:
         return {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "peak_flops_per_rank": self.peak,
                 "flops_per_step": self.flops, "csv": self._path,
                 "tensorboard": os.path.join(self.run_dir, "tensorboard") if self.spec.metrics.tensorboard else None}
+
+
+def write_rows(path: str, rows) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in COLUMNS})
+
+
+def read_rows(path: str) -> list[dict]:
+    """``metrics.csv`` as rows (numbers as numbers, empty cells as None)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, newline="") as f:
+        rows = []
+        for raw in csv.DictReader(f):
+            row = {k: (None if v in ("", None) else float(v)) for k, v in raw.items()}
+            row["step"] = int(row["step"])
+            row["restart"] = int(row.get("restart") or 0)
+            rows.append(row)
+    return rows
 
 
 def plot_losses(rows: list[dict], path: str) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ppsplit import build
+from ppsplit.checkpoint_series import staging_path
 from ppsplit.debug import inject_crash, perturb_one_weight, repeat_first_microbatch
 from ppsplit.job_spec import JobSpec
 from ppsplit.stage_state import (average_grads, check_finite, first_non_finite, full_tensors, local_bytes,
@@ -212,7 +213,15 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
                       grads_of=lambda: full_tensors(((k, p.grad) for i in mine
                                                      for k, p in modules[i].named_parameters(remove_duplicate=False)
                                                      if p.grad is not None), r.keeper))
-    stats, diverged, val = [], None, []
+    stats, diverged, val, saved, stopped = [], None, [], [], None
+    series = launch.get("series")  # checkpoint.every: a step folder each N steps
+
+    def save_step(at: int) -> None:
+        channel.report("saving the checkpoint", at)
+        ckpt.save(staging_path(series["dir"], at, series["token"]), modules, optimizers, tie_groups=split.tie_groups)
+        saved.append(at)
+        channel.checkpoint_saved(at)
+
     evals = eval_indices(spec.steps, spec.eval.every) if spec.eval.batches else set()
     for k in range(spec.steps):
         channel.report("step", k)
@@ -220,7 +229,13 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
             masks.start_step(start_step + k)
         if debug.crash_rank == rank and debug.crash_step == k:
             inject_crash(debug.crash_mode, rank, k)
-        dist.barrier()
+        if series is None:
+            dist.barrier()
+        elif _agree_to_stop(channel, device):  # a stop signal: save where training stands, and end
+            if k > 0 and start_step + k not in saved:
+                save_step(start_step + k)
+            stopped = start_step + k
+            break
         result = stepper.step(k)
         if result is None:
             loss = stepper.last_loss
@@ -236,11 +251,13 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
                                                          start_step + k)})
         channel.step_done(k, result.loss, {"lr": result.lr, "grad_norm": result.grad_norm, "time_s": result.time_s,
                                            **({"val_loss": val[-1]["loss"]} if k in evals else {})})
+        if series and k < spec.steps - 1 and (start_step + k + 1) % series["every"] == 0:  # the last: the final one
+            save_step(start_step + k + 1)
 
     final = full_tensors(((k, v) for i in mine for k, v in modules[i].state_dict().items()), r.keeper)
     # every trained tensor goes to the driver's comparison when it trains a reference (not on meta)
     state = {k: v for k, v in final.items() if debug.return_state or k in tied_keys or m.init != "meta"}
-    if launch.get("checkpoint_dir") and diverged is None:
+    if launch.get("checkpoint_dir") and diverged is None and stopped is None:
         channel.report("saving the checkpoint")
         ckpt.save(launch["checkpoint_dir"], modules, optimizers, hf=launch.get("hf_dir"), tie_groups=split.tie_groups)
     channel.report("sending the result")
@@ -251,7 +268,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         "stages": mine, "start_step": start_step,
         "losses": [s.loss for s in stats if s.loss is not None],
         "grad_norms": [s.grad_norm for s in stats], "lrs": [s.lr for s in stats], "val_losses": val,
-        "diverged": diverged, "step_times_s": times, "step_time_s": median_after_first(times),
+        "diverged": diverged, "saved_steps": saved, "stopped_at": stopped, "step_times_s": times, "step_time_s": median_after_first(times),
         "first_grads": stepper.first_grads or {},
         "state": {i: {k: v for k, v in state.items() if k in split.stage_keys[i]} for i in mine} if r.keeper else {},
         "fqn_problems": r.fqn_problems,
@@ -264,6 +281,14 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         "digests": {k: tensor_digest(v) for k, v in final.items()} if r.keeper else {},
         "tie_comm_groups": ties.comm_groups(), "pid": os.getpid(), "host": os.uname().nodename,
     }
+
+
+def _agree_to_stop(channel, device) -> bool:
+    """Whether any rank was asked to stop: every rank leaves at the same step boundary (this
+    takes the place of the step's barrier)."""
+    flag = torch.tensor([1 if channel.stop_requested.is_set() else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 @torch.no_grad()

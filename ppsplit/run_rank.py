@@ -28,7 +28,8 @@ def rank_entry(launch_file: str, rank: int | None = None, world: int | None = No
     with open(launch_file, "rb") as f:
         launch = pickle.load(f)
     local_rank = rank
-    if rank is None:  # a SLURM task, started by submitit
+    on_slurm = rank is None
+    if on_slurm:  # a SLURM task, started by submitit
         import submitit
 
         env = submitit.JobEnvironment()
@@ -41,6 +42,8 @@ def rank_entry(launch_file: str, rank: int | None = None, world: int | None = No
             f.write(f"{os.getpid()} {os.uname().nodename}\n")
     except OSError:  # a full disk: the channel still carries everything that matters
         pass
+    if launch.get("series") and on_slurm:
+        _save_on_slurm_signal(channel)
     try:
         result = run(spec, launch, rank, world, local_rank, channel)
         path = os.path.join(launch["folder"], f"rank{rank}.result.pt")
@@ -55,6 +58,19 @@ def rank_entry(launch_file: str, rank: int | None = None, world: int | None = No
         raise
     finally:
         channel.stop()
+
+
+def _save_on_slurm_signal(channel) -> None:
+    """SLURM's signal before the time limit (or on preemption), SIGUSR2 as submitit asks for it:
+    the ranks save at their next step boundary and end (submitit's own handler would end rank 0
+    at once)."""
+    import signal
+
+    def stop(signum, frame):
+        channel.stop_requested.set()
+
+    signal.signal(signal.SIGUSR2, stop)
+    signal.signal(signal.SIGTERM, stop)  # scontrol requeue, scancel: KillWait (10 s here) before SIGKILL
 
 
 def run(spec: JobSpec, launch: dict, rank: int, world: int, local_rank: int, channel) -> dict:

@@ -32,6 +32,7 @@ class SlurmJob:
             "timeout_min": launcher.time_min or max(1, int(spec.timeout_s // 60) + 2),
             "name": "ppsplit",
             "slurm_partition": launcher.partition,
+            "slurm_signal_delay_s": launcher.signal_delay_s,
         }
         if launcher.gpus_per_task:
             params["slurm_gpus_per_task"] = launcher.gpus_per_task
@@ -55,6 +56,14 @@ class SlurmJob:
             with contextlib.suppress(Exception):  # the scheduler may not answer this time
                 self._state = str(self.job.state)
         return self._state
+
+    def cancelled(self) -> bool:
+        """Whether the job was cancelled (``scancel``), asked of the accounting now, not cached."""
+        with contextlib.suppress(Exception):
+            out = subprocess.run(["sacct", "-j", str(self.job.job_id), "-X", "-n", "-o", "State"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return "CANCELLED" in out
+        return False
 
     def describe(self) -> str:
         return f"SLURM job {self.job.job_id}; logs in {self.folder}"

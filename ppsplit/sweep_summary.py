@@ -31,6 +31,9 @@ def summary_row(point: Path) -> dict[str, Any]:
     if report.exists():
         data = json.loads(report.read_text())
         run = data.get("run") or {}
+        if "nothing_left" in data:  # checkpoint.load=auto, already at its last step
+            row.update(model=data["model"], check="passed", error="nothing left to train")
+            return row
         row.update(
             model=data["model"], stages=data["stages"], strategy=data.get("split_strategy", ""),
             layout="pp{pp}xdp{dp}xtp{tp}".format(**data["layout"]) if data.get("layout") else "",
@@ -149,7 +152,7 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from ppsplit.debug import pause
-        from ppsplit.dispatch import Interrupted, install_signal_handlers, restore_signal_handlers, say_interrupted
+        from ppsplit.stop_signals import Interrupted, install_signal_handlers, restore_signal_handlers, say_interrupted
 
         sweep_dir = config.hydra.sweep.dir
         if os.path.isdir(sweep_dir):

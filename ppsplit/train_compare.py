@@ -18,7 +18,7 @@ from ppsplit.tolerance import Tolerance
 
 
 def train_and_compare(spec: JobSpec, model, split, source, loss_fn, ranks, target, say, resume=None,
-                      masks=None, log=None) -> dict:
+                      masks=None, log=None, saves=None) -> dict:
     from ppsplit.verify import compare_training
 
     results = None
@@ -26,7 +26,7 @@ def train_and_compare(spec: JobSpec, model, split, source, loss_fn, ranks, targe
     load = spec.checkpoint.load
     if ranks is None:  # inline: the chained stages in this process
         reference_model = copy.deepcopy(model)  # the stages share the model's tensors
-        mine = _train_inline(spec, model, split, source, loss_fn, target, say, load, masks, log)
+        mine = _train_inline(spec, model, split, source, loss_fn, target, say, load, masks, log, saves)
     else:
         # Wait first: a reference trained meanwhile would take the ranks' CPUs and distort their
         # step times.
@@ -36,6 +36,16 @@ def train_and_compare(spec: JobSpec, model, split, source, loss_fn, ranks, targe
         if log is not None:
             for k, row in enumerate(_rows(mine)):
                 log.record(k, **row)  # the steps the heartbeats did not carry
+        if ranks.stop_signal is not None:  # a stop signal: the ranks saved where they stood, and ended
+            from ppsplit.stop_signals import Interrupted
+
+            raise Interrupted(ranks.stop_signal)
+        if ranks.stopped_at() is not None:  # ... or SLURM's signal to their job
+            from ppsplit.dispatch import JobStopped
+
+            cancelled = ranks.backend.cancelled()  # scancel: the user's; a time limit, a requeue: SLURM's
+            ranks.backend.cancel()  # a job SLURM requeued would start again: it is this run's no more
+            raise JobStopped(ranks.stopped_at(), ranks.backend.describe().split(";")[0], cancelled)
     say.phase("train", f"ranks finished {spec.steps} step(s)" if ranks else f"trained {spec.steps} step(s)")
     reference = None
     if mine["diverged"] is not None:
@@ -90,7 +100,7 @@ def _ref_steps(spec: JobSpec) -> int:
     return spec.verify.reference_steps(spec.steps)
 
 
-def _train_inline(spec, model, split, source, loss_fn, target, say, load, masks, log) -> dict:
+def _train_inline(spec, model, split, source, loss_fn, target, say, load, masks, log, saves) -> dict:
     from ppsplit.stage_state import tensor_digest
     from ppsplit.ties import TieSync
     from ppsplit.training import apply_activation_checkpointing, checkpoint_pattern, train_in_process
@@ -109,8 +119,19 @@ def _train_inline(spec, model, split, source, loss_fn, target, say, load, masks,
         if log is not None:
             log.record(done - 1, stats.loss, stats.lr, stats.grad_norm, stats.time_s, val_loss)
 
+    def periodic(step, optimizer):
+        if step % saves.series.every == 0:
+            from ppsplit import checkpoint
+            from ppsplit.checkpoint_series import staging_path
+
+            say(f"saving the checkpoint of step {step}")
+            checkpoint.save(staging_path(saves.series.folder, step, saves.series.token), {0: model}, {0: optimizer},
+                            tie_groups=split.tie_groups)
+            saves.saved(step)
+
     out = train_in_process(split, split.stages, source, spec, spec.microbatches, loss_fn, after_backward=ties.sum_grads,
-                           load=(load, model, split.tie_groups) if load else None, on_step=on_step, masks=masks)
+                           load=(load, model, split.tie_groups) if load else None, on_step=on_step, masks=masks,
+                           after_step=periodic if saves else None)
     for handle in handles:
         handle.remove()
     if target and out["diverged"] is None:

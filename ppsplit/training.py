@@ -153,14 +153,17 @@ def eval_indices(steps: int, every: int) -> set[int]:
 
 
 def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn, after_backward=None,
-                     load: tuple | None = None, on_step=None, masks=None, steps: int | None = None) -> dict:
+                     load: tuple | None = None, on_step=None, masks=None, steps: int | None = None,
+                     after_step=None) -> dict:
     """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as
     the ranks do (see the module docstring), on ``source``'s batches in ``microbatches`` each.
 
     ``modules`` hold the parameters; the gradients of the first step, the values before and
     after training are returned by FQN. ``load``: (checkpoint folder, the module whose FQNs key
     it, tie groups) to resume from. ``masks``: the dropout seeds whose hooks ``forward`` carries.
-    ``steps``: how many (default: the job's; the reference may run fewer)."""
+    ``steps``: how many (default: the job's; the reference may run fewer). ``after_step(step,
+    optimizer)``: after each step but the last, by the step count since the run began (periodic
+    checkpoints)."""
     from ppsplit import checkpoint as ckpt
     from ppsplit.optim import grad_norm, make_lr_schedule, make_optimizer
     from ppsplit.stage_state import first_non_finite, median_after_first
@@ -213,6 +216,8 @@ def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn,
                                                                   device_type, masks, start_step + k)})
         if on_step is not None:
             on_step(k + 1, result, val[-1]["loss"] if k in evals else None)
+        if after_step is not None and k < steps - 1:
+            after_step(start_step + k + 1, optimizer)
     times = [s.time_s for s in stats]
     return {
         "losses": [s.loss for s in stats],

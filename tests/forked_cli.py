@@ -95,9 +95,12 @@ class ForkedCli:
         while time.monotonic() < end:
             if "err" in self._text:
                 return
-            with open(self.err_path) as f:
-                f.seek(self._err_offset)
-                chunk = f.read()
+            try:
+                with open(self.err_path) as f:
+                    f.seek(self._err_offset)
+                    chunk = f.read()
+            except FileNotFoundError:  # the forked process has not opened it yet
+                chunk = ""
             self._err_offset += len(chunk)
             buffer += chunk
             *lines, buffer = buffer.split("\n")

@@ -152,3 +152,10 @@ def test_training(tmp_path):
     for key in ("pipeline_over_unsplit_1t", "pipeline_over_unsplit_2t", "recompute_over_plain",
                 "metrics_row_s", "metrics_share_of_step"):
         assert positive(data[key]), key
+
+
+def test_checkpoint_cost(tmp_path):
+    data = run_quick("checkpoint_cost", tmp_path)
+    check_sides(data["seconds"], ("step", "save", "seal", "async_blocking"))
+    assert positive(data["state_mb"]) and positive(data["save_s_per_mb"]) and positive(data["seal_s_per_mb"])
+    assert set(data["share_of_steps"]) == {"10", "100", "1000"} and all(map(positive, data["share_of_steps"].values()))

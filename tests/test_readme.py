@@ -149,7 +149,41 @@ def trains_below_the_unigram_entropy(runs, cwd):
     assert os.path.getsize(os.path.join(folder, "loss.png")) > 1000
 
 
+def goes_on_from_the_newest(runs, cwd):
+    """The second run resumes at step 6 and trains 4 more; two step folders are kept, latest
+    names the newest, and metrics.csv holds the whole run's 10 rows."""
+    (_, (first,)), (_, (second,)) = runs
+    assert load(first)["run"]["resumed_from"] is None
+    run = load(second)["run"]
+    assert run["resumed_from"]["step"] == 6 and run["steps"] == 4
+    ck = os.path.join(cwd, "ck", "long")
+    assert sorted(n for n in os.listdir(ck) if n.startswith("step-")) == ["step-000008", "step-000010"]
+    assert os.readlink(os.path.join(ck, "latest")) == "step-000010"
+    rows = list(csv.DictReader(open(os.path.join(os.path.dirname(second), "metrics.csv"))))
+    assert [int(r["step"]) for r in rows] == list(range(1, 11))
+
+
+def requeued_to_the_last_step(runs, cwd):
+    """Over two or more new jobs, each going on from the step folder the one before saved when
+    SLURM signalled it; metrics.csv has every step once, with the job it ran in."""
+    ((_, (report,)),) = runs
+    run, steps, ck = load(report)["run"], 3000, os.path.join(cwd, "ck", "slurm")
+    restarts = run["restarts"]
+    assert len(restarts) >= 2 and len({r["job"] for r in restarts}) == len(restarts), restarts
+    stops = [r["stopped_at"] for r in restarts]
+    assert stops == sorted(stops) and stops[-1] < steps
+    assert [r["checkpoint"] for r in restarts] == [os.path.join(ck, f"step-{s:06d}") if s else None for s in stops]
+    assert run["resumed_from"]["step"] == stops[-1] and run["steps"] == steps - stops[-1]
+    assert os.readlink(os.path.join(ck, "latest")) == f"step-{steps:06d}"
+    rows = [(int(r["step"]), int(r["restart"]))
+            for r in csv.DictReader(open(os.path.join(os.path.dirname(report), "metrics.csv")))]
+    assert [s for s, _ in rows] == list(range(1, steps + 1))
+    assert [sum(s > stop for stop in stops) for s, _ in rows] == [r for _, r in rows]
+
+
 CLAIMS = {  # a substring of a README block -> what its runs' reports must show
+    "launcher.requeue=true launcher.max_requeue=10": requeued_to_the_last_step,
+    "checkpoint.every=2 checkpoint.keep=2": goes_on_from_the_newest,
     "data=text data.path=toy/corpus.txt": trains_below_the_unigram_entropy,
     "-m stages=2,4 split=even,flops": sweep_rows_match_reports,
     "parallel.dp=2 parallel.tp=2": eight_ranks_with_a_tie,

@@ -104,3 +104,29 @@ def test_slurm_ranks_never_outlive_their_driver_and_a_killed_rank_is_named(tmp_p
     assert gone < 15  # control.DRIVER_LOST_S bounds a rank whose driver vanished
     print(f"slurm {what} -> {'reported and ' if what == 'rank' else ''}no rank left: {gone:.2f} s")
     assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("launcher", ["slurm"])
+def test_scontrol_requeue_of_the_running_job_goes_on_in_a_new_one(tmp_path, launcher):
+    """The ranks' job requeued by hand mid-run: they save within KillWait, the run goes on in a
+    new job from there, and the requeued copy is cancelled (it would start again later)."""
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    proc = ForkedCli(["launcher=slurm", "steps=600", "checkpoint.every=100000", f"checkpoint.dir={ck}",
+                      "launcher.requeue=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    try:
+        end = time.monotonic() + 240
+        while not (run_dir / "metrics.csv").exists() or len((run_dir / "metrics.csv").read_text().splitlines()) < 5:
+            assert proc.poll() is None and time.monotonic() < end, proc.stderr()[-2000:]
+            time.sleep(0.1)
+        job = next(w for line in proc.stdout().splitlines() if "ranks: 2 started (SLURM job" in line
+                   for w in [line.split("SLURM job ")[1].split(";")[0]])
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, timeout=30)
+        assert proc.wait(300) == 0, proc.stderr()[-2000:]
+    finally:
+        proc.kill()
+    (restart,) = report_of(run_dir)["run"]["restarts"]
+    assert restart["job"] == f"SLURM job {job}" and restart["stopped_at"] >= 4
+    assert os.readlink(ck / "latest") == "step-000600"
+    time.sleep(1)
+    states = subprocess.run(["sacct", "-j", job, "-X", "-n", "-o", "State"], capture_output=True, text=True).stdout
+    assert "PENDING" not in states and "RUNNING" not in states, states  # the requeued copy is gone

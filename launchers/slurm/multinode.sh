@@ -229,6 +229,8 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=10
 MinJobAge=300
+# A preempted job is signalled first (SIGUSR2, submitit's), as a job near its time limit is.
+SlurmctldParameters=preempt_send_user_signal
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=$NET.1
 AccountingStoragePort=$DBD_PORT

@@ -203,6 +203,8 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=10
 MinJobAge=300
+# A preempted job is signalled first (SIGUSR2, submitit's), as a job near its time limit is.
+SlurmctldParameters=preempt_send_user_signal
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/linux
