@@ -27,7 +27,8 @@ DRIVER_LOST_S = 10.0  # a rank whose driver has not answered for this long ends 
 RANK_LOST_S = 5.0  # the driver declares a rank lost after this long without a heartbeat
 EXIT_DRIVER_GONE = 75  # a rank's exit status when it ended because its driver was gone
 EXIT_ABORTED = 76  # ... because the driver told it to stop
-RECENT_LOSSES = 16  # a heartbeat carries the losses of this many last steps
+RECENT_LOSSES = 16  # a heartbeat carries the losses of this many last steps, and every one not yet recorded
+MAX_UNRECORDED = 4096  # ... up to this many (a driver that far behind gets the rest with the results)
 
 
 def _store(host: str, port: int, master_fd: int | None = None, timeout_s: float = DRIVER_LOST_S):
@@ -80,6 +81,10 @@ class DriverChannel:
         except Exception:  # the store is ours; failing to write it only loses the courtesy
             pass
 
+    def recorded(self, steps: int) -> None:
+        """The driver has the metrics of the first ``steps`` steps: the ranks may forget them."""
+        self.store.set(self._key("recorded"), str(steps))
+
     def request_stop(self) -> None:
         """Ask the ranks to save at their next step boundary and end (a stop signal under
         ``checkpoint.every``)."""
@@ -103,6 +108,7 @@ class RankChannel:
         self.recent: dict[str, dict] = {}  # step (as a JSON key) -> its loss and metrics, the last few
         self.saved: list[int] = []  # the periodic checkpoints written whole, by step
         self.stop_requested = threading.Event()  # the driver asks for a checkpoint and the end
+        self.recorded = 0  # the steps whose metrics the driver has (see DriverChannel.recorded)
         self._main = threading.main_thread()
         self._stop = threading.Event()
         self.store = _store(host, port, timeout_s=timeout_s)  # the main thread's: rendezvous, errors, done
@@ -132,8 +138,10 @@ class RankChannel:
         are kept, so the driver can average the data-parallel ranks at one step."""
         self.completed = step + 1
         self.recent[str(step)] = {"loss": loss, **(metrics or {})}
-        for old in list(self.recent)[:-RECENT_LOSSES]:
-            del self.recent[old]
+        keep_from = min(self.recorded, self.completed - RECENT_LOSSES)  # never a row the driver lacks
+        for old in list(self.recent):
+            if int(old) < keep_from or len(self.recent) > MAX_UNRECORDED:
+                del self.recent[old]
         self.progress += 1
 
     def checkpoint_saved(self, step: int) -> None:
@@ -173,6 +181,8 @@ class RankChannel:
                 aborted = self._beat_store.check([self._key("abort")])
                 if not self.stop_requested.is_set() and self._beat_store.check([self._key("stop")]):
                     self.stop_requested.set()
+                if self._beat_store.check([self._key("recorded")]):
+                    self.recorded = int(self._beat_store.get(self._key("recorded")))
             except Exception:  # the driver's store is gone, or has not answered for DRIVER_LOST_S
                 self._exit(EXIT_DRIVER_GONE, "its driver is gone (the control store stopped answering)")
             if aborted:

@@ -302,6 +302,8 @@ class Ranks:
                 if self.on_step is not None and "time_s" in measured:
                     self.on_step(k, **measured)
             self._reported_step = completed
+            with contextlib.suppress(Exception):  # only lets the ranks forget those rows
+                self.channel.recorded(completed)
             spec = self.spec
             tokens = spec.batch_size * spec.seq_len_at(completed - 1) * spec.train.grad_accumulation
             measured = self.step_metrics(completed - 1)

@@ -211,8 +211,9 @@ def from_config(cfg, overrides=None) -> JobSpec:
     tolerance = get(cfg, "tolerance")
     tolerance = (BF16_TOLERANCE if bf16 else 1e-5) if tolerance is None else number("tolerance", tolerance)
     tie_tolerance = get(cfg, "tie_tolerance")
-    tie_tolerance = ((BF16_TIE_TOLERANCE if bf16 else 1e-4) if tie_tolerance is None
-                     else number("tie_tolerance", tie_tolerance))
+    adaptive = _optimizer_spec(cfg)["name"] in ADAPTIVE  # see ppsplit.tolerance
+    tie_tolerance = ((BF16_TIE_TOLERANCE if bf16 else ADAPTIVE_TIE_TOLERANCE if adaptive else 1e-4)
+                     if tie_tolerance is None else number("tie_tolerance", tie_tolerance))
     timeout_s = number("timeout_s", get(cfg, "timeout_s"), exclusive=True)
 
     model = _model_spec(cfg, overrides)
@@ -352,6 +353,8 @@ def _launcher_spec(cfg) -> LauncherSpec:
 
 
 OPTIMIZERS = ("sgd", "adamw", "adam")
+ADAPTIVE = ("adamw", "adam")  # they divide each gradient by its running size
+ADAPTIVE_TIE_TOLERANCE = 1e-3
 
 
 def _optimizer_spec(cfg) -> dict:

@@ -22,6 +22,8 @@ def run_report(folder, *overrides):
 
 
 def assert_matches_unsplit(run_section, steps=3, tie_atol=1e-6):
+    """``tie_atol``: how far a tied tensor may be from the unsplit model's after the steps (an
+    adaptive optimizer moves noise-gradient entries by up to its learning rate: ppsplit.tolerance)."""
     assert run_section["ok"], run_section.get("worst_grad")
     assert run_section["rank_fqn_problems"] == []  # every rank's stages keep the original FQNs
     assert len(run_section["losses"]) == steps == len(run_section["reference_losses"])
@@ -40,14 +42,14 @@ LAYOUTS = [
 @pytest.mark.parametrize("model,dp,tp,optimizer", LAYOUTS, ids=[f"{m}-pp2xdp{d}xtp{t}-{o}" for m, d, t, o in LAYOUTS])
 def test_pp2_with_data_or_tensor_parallel_matches_unsplit(tmp_path, model, dp, tp, optimizer):
     code, data = run_report(tmp_path, f"model={model}", f"parallel.dp={dp}", f"parallel.tp={tp}",
-                            f"optimizer={optimizer}", "tie_tolerance=1e-5", "timeout_s=300")
+                            f"optimizer={optimizer}", "timeout_s=300")
     assert code == 0
     run_section = data["run"]
     assert run_section["mesh"] == {"pp": 2, "dp": dp, "tp": tp, "fsdp": dp > 1}
     assert run_section["ranks"] == 2 * dp * tp
     coords = sorted((r["pp"], r["dp"], r["tp"]) for r in run_section["rank_layout"])
     assert coords == [(p, d, t) for p in range(2) for d in range(dp) for t in range(tp)]
-    assert_matches_unsplit(run_section, tie_atol=1e-5)
+    assert_matches_unsplit(run_section, tie_atol=1e-3 if optimizer == "adamw" else 1e-5)
 
 
 TIED_TP = {  # a tie whose copies are laid out unlike (the embedding's gradient whole, the head's a shard)
@@ -62,7 +64,7 @@ TIED_TP = {  # a tie whose copies are laid out unlike (the embedding's gradient 
 def test_ties_stay_tied_under_tensor_parallel_layouts(tmp_path, name):
     code, data = run_report(tmp_path, *TIED_TP[name], "optimizer=adamw", "timeout_s=300")
     assert code == 0
-    assert_matches_unsplit(data["run"], tie_atol=1e-5)
+    assert_matches_unsplit(data["run"], tie_atol=1e-3)  # AdamW at lr 1e-3: see assert_matches_unsplit
     assert data["run"]["ties"] and data["run"]["tie_comm_groups"]
 
 
