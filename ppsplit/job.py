@@ -218,6 +218,10 @@ def _run_job(spec: JobSpec, output_dir: str, say, config, target, restarts=()) -
                     run["checkpoints"] = list(target.committed)
                 if spec.launcher.requeue:
                     run["restarts"] = list(restarts)
+                if ranks is not None:
+                    from ppsplit import timeline
+
+                    run["timeline"] = timeline.write(output_dir, ranks.results)
                 print(report.format_run(run), flush=True)
         ok = fqn.ok and numerics_ok and (run is None or run["ok"])
         if target:

@@ -20,6 +20,7 @@ from ppsplit.stage_state import (average_grads, check_finite, first_non_finite, 
                                  tensor_digest)
 from ppsplit.schedules import SCHEDULES, stages_of_rank
 from ppsplit.ties import TieSync
+from ppsplit.timeline import Recorder
 from ppsplit.trace_split import split as split_model
 from ppsplit.training import (Stepper, apply_activation_checkpointing, checkpoint_pattern, counted_once,
                               eval_indices, precision_context)
@@ -103,7 +104,7 @@ def _wire_outputs(module, args, output):
     return tuple(wire(t) for t in output) if isinstance(output, tuple) else wire(output)
 
 
-def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn) -> dict:
+def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None) -> dict:
     """This rank's stages under the schedule, one per sequence length: PipelineStage fixes its
     send and receive buffers, so each length gets its own (over the same modules)."""
     from torch.distributed import pipelining
@@ -128,6 +129,8 @@ def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn) -> dict:
             pipe_stages.append(pipelining.PipelineStage(
                 r.modules[i], i, n_stages, device, input_args=ins, output_args=outs[0] if len(outs) == 1 else outs,
                 group=pp_group))
+            if recorder is not None:
+                recorder.wrap(pipe_stages[-1], i)
         return schedule_cls(pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
                             n_microbatches=spec.microbatches, loss_fn=scaled_loss)
 
@@ -150,7 +153,8 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     pp_rank, dp_rank, _ = r.coords
     n_stages, layout = len(split.stages), r.layout
     loss_fn = build.loss_fn(m.loss)
-    schedules = make_schedules(spec, r, device, loss_fn)
+    recorder = Recorder(rank)
+    schedules = make_schedules(spec, r, device, loss_fn, recorder)
     rank_of_stage = {i: p for p in range(plan.ranks)
                      for i in stages_of_rank(p, plan.ranks, plan.stages_per_rank, plan.placement)}
     channel.report("synchronising tied weights")
@@ -197,6 +201,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         return run_batch(schedules[spec.seq_len_at(step)], batch)
 
     def sync() -> None:
+        recorder.optimizer_begin()  # from here: the gradients synchronised, clipped, applied
         if replicas is not None:
             average_grads(modules, replicas, layout.dp)
         if debug.defect == "dropped_stage_grad" and n_stages - 1 in mine:
@@ -236,7 +241,9 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
                 save_step(start_step + k)
             stopped = start_step + k
             break
+        recorder.step_begin(k)
         result = stepper.step(k)
+        recorder.step_end()
         if result is None:
             loss = stepper.last_loss
             diverged = {"step": k, "loss": loss, "non_finite_loss": loss is not None and loss != loss,
@@ -268,7 +275,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         "stages": mine, "start_step": start_step,
         "losses": [s.loss for s in stats if s.loss is not None],
         "grad_norms": [s.grad_norm for s in stats], "lrs": [s.lr for s in stats], "val_losses": val,
-        "diverged": diverged, "saved_steps": saved, "stopped_at": stopped, "step_times_s": times, "step_time_s": median_after_first(times),
+        "diverged": diverged, "saved_steps": saved, "stopped_at": stopped, "timeline": recorder.as_dict(), "step_times_s": times, "step_time_s": median_after_first(times),
         "first_grads": stepper.first_grads or {},
         "state": {i: {k: v for k, v in state.items() if k in split.stage_keys[i]} for i in mine} if r.keeper else {},
         "fqn_problems": r.fqn_problems,
