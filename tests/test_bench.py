@@ -159,3 +159,9 @@ def test_checkpoint_cost(tmp_path):
     check_sides(data["seconds"], ("step", "save", "seal", "async_blocking"))
     assert positive(data["state_mb"]) and positive(data["save_s_per_mb"]) and positive(data["seal_s_per_mb"])
     assert set(data["share_of_steps"]) == {"10", "100", "1000"} and all(map(positive, data["share_of_steps"].values()))
+
+
+def test_timeline_overhead(tmp_path):
+    data = run_quick("timeline_overhead", tmp_path)
+    check_sides(data["seconds"], ("noop_plain", "noop_recorded", "block"))
+    assert data["overhead_per_action_s"] >= 0 and data["share_of_step"] >= 0
