@@ -172,6 +172,16 @@ def load_note() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def session(threads: int = DEFAULT_THREADS):
+    """A benchmark's run: ``threads`` torch threads, the load note printed; yields (threads, note)."""
+    with torch_threads(threads) as n:
+        note = load_note()
+        if note:
+            print(note)
+        yield n, note
+
+
 def write_json(name: str, data: dict, out_dir: str | None = None) -> str:
     """Write ``data`` with the machine's description to ``<out_dir>/<name>.json``, say where,
     and return the path. Call it while the benchmark's thread count is still in force.

@@ -143,10 +143,7 @@ def run_job(overrides: list[str]) -> dict:
 
 def main(quick: bool = False, out_dir: str | None = None) -> dict:
     spec = QUICK if quick else FULL
-    with harness.torch_threads(harness.DEFAULT_THREADS) as threads:
-        note = harness.load_note()
-        if note:
-            print(note)
+    with harness.session() as (threads, note):
         base = base_overrides(spec)
         # T1 uses the full batch and one microbatch: the same model and data as every job.
         t1 = T1(compose(base + ["microbatches=1"]))

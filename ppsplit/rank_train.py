@@ -153,8 +153,10 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     pp_rank, dp_rank, _ = r.coords
     n_stages, layout = len(split.stages), r.layout
     loss_fn = build.loss_fn(m.loss)
-    recorder = Recorder(rank)
+    recorder = Recorder(rank, pp_rank, r.keeper)
     schedules = make_schedules(spec, r, device, loss_fn, recorder)
+    if rank == 0:  # every pipeline rank's action lists, the same on each: one copy is enough
+        recorder.keep_order(next(iter(schedules.values())), n_stages, spec.microbatches)
     rank_of_stage = {i: p for p in range(plan.ranks)
                      for i in stages_of_rank(p, plan.ranks, plan.stages_per_rank, plan.placement)}
     channel.report("synchronising tied weights")
@@ -275,7 +277,8 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         "stages": mine, "start_step": start_step,
         "losses": [s.loss for s in stats if s.loss is not None],
         "grad_norms": [s.grad_norm for s in stats], "lrs": [s.lr for s in stats], "val_losses": val,
-        "diverged": diverged, "saved_steps": saved, "stopped_at": stopped, "timeline": recorder.as_dict(), "step_times_s": times, "step_time_s": median_after_first(times),
+        "diverged": diverged, "saved_steps": saved, "stopped_at": stopped, "timeline": recorder.as_dict(),
+        "step_times_s": times, "step_time_s": median_after_first(times),
         "first_grads": stepper.first_grads or {},
         "state": {i: {k: v for k, v in state.items() if k in split.stage_keys[i]} for i in mine} if r.keeper else {},
         "fqn_problems": r.fqn_problems,
@@ -284,7 +287,8 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         "stage_bytes": local_bytes(held) + local_bytes(b for i in mine for b in modules[i].buffers()),
         "optimizer_bytes": local_bytes(v for o in optimizers.values() for st in o.state.values()
                                        for v in st.values() if isinstance(v, torch.Tensor)),
-        "rss_growth_bytes": r.rss_growth,
+        "rss_growth_bytes": r.rss_growth, "peak_rss_bytes": peak_rss_bytes(),
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "digests": {k: tensor_digest(v) for k, v in final.items()} if r.keeper else {},
         "tie_comm_groups": ties.comm_groups(), "pid": os.getpid(), "host": os.uname().nodename,
     }

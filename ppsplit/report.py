@@ -182,7 +182,7 @@ def format_run(run: dict) -> str:
     where = f"{run['launcher']}, {run['ranks']} rank(s) x {run['stages_per_rank']} stage(s), {run['schedule']}"
     if run.get("diverged"):
         return f"run ({where}): FAILED: {diverged_message(run['diverged'], run['steps'])}\n  losses:    " + \
-            ", ".join(f"{x:.6g}" for x in run["losses"])
+            _some(run["losses"], "{:.6g}")
     if run["reference_losses"] is None:
         against = "no unsplit reference (the model is too large for the driver)"
     else:
@@ -190,14 +190,14 @@ def format_run(run: dict) -> str:
                    f"first-step grad diff {run['grad_max_abs_diff']:.2e}")
     lines = [
         f"run ({where}): {'passed' if run['ok'] else 'FAILED'}: {run['steps']} steps, {against}",
-        "  losses:    " + ", ".join(f"{x:.6f}" for x in run["losses"]),
+        "  losses:    " + _some(run["losses"]),
     ]
     m = run.get("mismatch")
     if m:
         lines.insert(1, f"  first past its bound: {m['kind']} {m['name']}: off by {m['max_abs_diff']:.2e} at "
                         f"scale {m['scale']:.2e} (allowed {m['bound']:.2e})")
     if run["reference_losses"] is not None:
-        lines.append("  reference: " + ", ".join(f"{x:.6f}" for x in run["reference_losses"]))
+        lines.append("  reference: " + _some(run["reference_losses"]))
     for tie in run["ties"]:
         if len(tie["keys"]) > 1:
             distance = ("" if tie["max_abs_diff_vs_reference"] is None else
@@ -216,7 +216,45 @@ def format_run(run: dict) -> str:
             + (f", at most {max(distances):.1e} from the unsplit model" if distances else ""))
     if run.get("step_time_s") is not None:
         lines.append(f"  step time (median after the first): {run['step_time_s'] * 1e3:.1f} ms")
+    if run.get("timeline"):
+        lines.extend(format_timeline(run["timeline"]))
     return "\n".join(lines)
+
+
+def _some(values: list[float], form: str = "{:.6f}", ends: int = 6) -> str:
+    """The values, or for a long run its first and last few with the count between."""
+    if len(values) <= 2 * ends + 1:
+        return ", ".join(form.format(x) for x in values)
+    return ", ".join(form.format(x) for x in values[:ends]) + f", ... ({len(values) - 2 * ends} more) ..., " + \
+        ", ".join(form.format(x) for x in values[-ends:])
+
+
+def format_timeline(t: dict) -> list[str]:
+    """The pipeline's bubble, measured and by the schedule, and the stages' times, in a few lines."""
+    if t.get("bubble_mean") is None:
+        return []
+    ranks = ", ".join(f"rank {r} {b:.2f}" for r, b in t["bubble"].items())
+    line = f"  bubble (step {t['median_step']}, the median): {t['bubble_mean']:.2f} measured ({ranks})"
+    if t.get("bubble_theory") is not None:
+        line += f"; {t['bubble_theory']:.2f} by the schedule's action lists"
+    if t.get("bubble_expected") is not None:
+        line += f", {t['bubble_expected']:.2f} with these stage times"
+    if t.get("wait_mean") is not None:
+        line += f"; waiting on sends/receives {t['wait_mean']:.2f}"
+    stages = []
+    for s in t["stages"]:
+        parts = [f"F {s['forward_ms']:.2f}" if s["forward_ms"] is not None else None,
+                 f"B {s['backward_ms']:.2f}" if s["backward_ms"] is not None else None,
+                 f"I {s['backward_input_ms']:.2f}" if s["backward_input_ms"] is not None else None,
+                 f"W {s['backward_weight_ms']:.2f}" if s["backward_weight_ms"] is not None else None]
+        saved = f", {s['activation_bytes'] / 2**20:.2f} MiB saved" if s["activation_bytes"] is not None else ""
+        stages.append(f"{s['stage']}: {' '.join(p for p in parts if p)} ms{saved}")
+    lines = [line]
+    if stages:
+        imbalance = f" (imbalance {t['imbalance']:.2f})" if t.get("imbalance") is not None else ""
+        lines.append(f"  stages per microbatch{imbalance}: " + "; ".join(stages))
+    lines.append(f"  timeline: {t['file']}" + (f", {t['picture']}" if t.get("picture") else ""))
+    return lines
 
 
 def _common_module(keys: list[str]) -> str:

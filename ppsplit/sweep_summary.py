@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 COLUMNS = ("point", "overrides", "model", "stages", "layout", "strategy", "split_points", "balance_params",
-           "balance_flops", "check", "step_time_s", "max_loss_rel_diff", "error")
+           "balance_flops", "check", "step_time_s", "bubble", "bubble_theory", "imbalance", "max_loss_rel_diff", "error")
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -45,6 +45,10 @@ def summary_row(point: Path) -> dict[str, Any]:
             max_loss_rel_diff="" if not run else run["max_loss_rel_diff"],
             stage_flops=[s["flops"] for s in data["stage_info"]],
         )
+        timeline = run.get("timeline") or {}
+        for column, key in (("bubble", "bubble_mean"), ("bubble_theory", "bubble_theory"), ("imbalance", "imbalance")):
+            if timeline.get(key) is not None:
+                row[column] = round(timeline[key], 4)
     elif error.exists():
         data = json.loads(error.read_text())
         row.update(check="error", error=data.get("error", ""))
@@ -57,7 +61,7 @@ def _md(column: str, value) -> str:
     """summary.md's rounding: balances to 3 decimals, step time in ms to 1, differences in %.1e."""
     if value == "" or value is None:
         return ""
-    if column.startswith("balance_"):
+    if column.startswith("balance_") or column in ("bubble", "bubble_theory", "imbalance"):
         return f"{float(value):.3f}"
     if column == "step_time_s":
         return f"{float(value) * 1e3:.1f} ms"
@@ -89,8 +93,9 @@ def write_summary(sweep_dir: str | os.PathLike) -> list[dict]:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Per point: the stage FLOPs stacked, with the balance the strategies optimise (max/mean of
-    the stage FLOPs and parameters) written over each bar; the step time (where the ranks ran)
-    as points on an axis of its own from 0, in the legend."""
+    the stage FLOPs and parameters) written over each bar, and where the ranks ran the measured
+    bubble (against the schedule's) and the stages' time imbalance; the step time as points on
+    an axis of its own from 0, in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,9 +117,14 @@ def plot(rows: list[dict], path: Path) -> None:
     top = max(tops, default=0) or 1.0
     for x, row in enumerate(rows):
         if row["balance_flops"] != "":
-            ax.text(x, tops[x] + 0.02 * top, f"flops {row['balance_flops']:.3f}\nparams {row['balance_params']:.3f}",
-                    ha="center", va="bottom", fontsize=7)
-    ax.set_ylim(0, top * 1.25)
+            text = f"flops {row['balance_flops']:.3f}\nparams {row['balance_params']:.3f}"
+            if row.get("bubble", "") != "":
+                text += f"\nbubble {row['bubble']:.2f}" + (f" ({row['bubble_theory']:.2f})"
+                                                          if row.get("bubble_theory", "") != "" else "")
+            if row.get("imbalance", "") != "":
+                text += f"\nstage time {row['imbalance']:.2f}"
+            ax.text(x, tops[x] + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, top * 1.45)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("stage forward+backward GFLOP (stacked)")
     handles, names = ax.get_legend_handles_labels()
@@ -123,14 +133,15 @@ def plot(rows: list[dict], path: Path) -> None:
         ax2 = ax.twinx()
         ax2.plot([t[0] for t in times], [t[1] * 1e3 for t in times], "kD", linestyle="none",
                  label="step time (ms)")
-        ax2.set_ylim(0, max(t[1] for t in times) * 1e3 * 1.25)
+        ax2.set_ylim(0, max(t[1] for t in times) * 1e3 * 2.0)  # the points below the figures over the bars
         ax2.set_ylabel("step time (ms), slowest rank, median")
         more, more_names = ax2.get_legend_handles_labels()
         handles, names = handles + more, names + more_names
     if handles:  # below the points' labels, clear of the bars and figures
         ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(len(handles), 5),
                   fontsize=7, frameon=False)
-    ax.set_title("ppsplit sweep: stage FLOPs and balance (max/mean) per point")
+    ax.set_title("ppsplit sweep: stage FLOPs and balance (max/mean) per point\n"
+                 "measured bubble (the schedule's), stage-time max/mean", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -166,7 +166,8 @@ def _from_ranks(spec, split, results) -> dict:
         "fqn_problems": [f"rank {r['rank']}: {p}" for r in results for p in r["fqn_problems"]],
         "rank_layout": [{"rank": r["rank"], **r["coords"], "stages": r["stages"], "host": r["host"], "pid": r["pid"],
                          "stage_bytes": r["stage_bytes"], "param_bytes": r["param_bytes"],
-                         "optimizer_bytes": r["optimizer_bytes"], "rss_growth_bytes": r["rss_growth_bytes"]}
+                         "optimizer_bytes": r["optimizer_bytes"], "rss_growth_bytes": r["rss_growth_bytes"],
+                         "peak_rss_bytes": r["peak_rss_bytes"], "cuda_max_allocated_bytes": r["cuda_max_allocated_bytes"]}
                         for r in results],
     }
 

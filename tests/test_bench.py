@@ -163,5 +163,16 @@ def test_checkpoint_cost(tmp_path):
 
 def test_timeline_overhead(tmp_path):
     data = run_quick("timeline_overhead", tmp_path)
-    check_sides(data["seconds"], ("noop_plain", "noop_recorded", "block"))
-    assert data["overhead_per_action_s"] >= 0 and data["share_of_step"] >= 0
+    check_sides(data["seconds"], ("noop_plain", "noop_recorded", "wait_plain", "wait_recorded", "block"))
+    assert data["overhead_per_action_s"] >= 0 and data["overhead_per_wait_s"] >= 0 and data["share_of_step"] >= 0
+
+
+def test_pipeline_bubbles(tmp_path):
+    data = run_quick("pipeline_bubbles", tmp_path)
+    (point,) = data["points"]
+    assert point["schedule"] == "1f1b" and point["ranks"] == 2
+    for side in ("even", "flops"):
+        p = point[side]
+        assert p["ok"], p
+        assert 0 <= p["bubble"] <= 1 and 0 < p["efficiency"] <= 1
+        assert p["bubble_theory"] == pytest.approx(1 / 5)  # 1F1B, 2 ranks, 4 microbatches: (p-1)/(m+p-1)

@@ -264,6 +264,8 @@ def normalise(text: str) -> list[str]:
         line = re.sub(r", [\d,]+ tok/s", ", N tok/s", line)
         line = re.sub(r"(max loss rel diff |first-step grad diff )[\d.]+e-\d+", r"\1E", line)
         line = re.sub(r"[\d.]+e-\d\d from the unsplit", "E from the unsplit", line)
+        if re.match(r"  (bubble \(step|stages per microbatch)", line):  # measured times and shares
+            line = re.sub(r"\d+\.\d+", "N", re.sub(r"step \d+,", "step K,", line))
         out.append(line)
     return out
 

@@ -40,6 +40,13 @@ def test_slurm_run_equals_local_run(tmp_path, model, launcher):
     assert slurm["launcher"] == "slurm" and slurm["ok"]
     assert slurm["losses"] == pytest.approx(local["losses"], rel=1e-7)
     assert slurm["final_state_digests"] == local["final_state_digests"]
+    # The SLURM job's ranks timed their actions too: the same trace, picture and figures.
+    timeline = slurm["timeline"]
+    trace = json.loads((tmp_path / "slurm" / "timeline.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace if e["ph"] == "X" and e["cat"] == "forward"} == {0, 1}
+    assert (tmp_path / "slurm" / "timeline.png").stat().st_size > 10_000
+    assert timeline["bubble_theory"] == pytest.approx(local["timeline"]["bubble_theory"])
+    assert [s["stage"] for s in timeline["stages"]] == [0, 1]
 
 
 @pytest.mark.parametrize("launcher", ["slurm"])

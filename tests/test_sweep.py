@@ -36,4 +36,8 @@ def test_a_sweep_summarises_every_point_and_exits_1_for_a_failed_one(tmp_path):
         assert row["split_points"] == " ".join(report["split_points"])
         assert float(row["balance_flops"]) == pytest.approx(report["balance"]["flops"], abs=1e-4)
         assert float(row["step_time_s"]) == pytest.approx(report["run"]["step_time_s"], abs=1e-6)
+        timeline = report["run"]["timeline"]  # the pipeline's bubble and stage-time imbalance
+        assert float(row["bubble"]) == pytest.approx(timeline["bubble_mean"], abs=1e-4)
+        assert float(row["bubble_theory"]) == pytest.approx(timeline["bubble_theory"], abs=1e-4)
+        assert float(row["imbalance"]) == pytest.approx(timeline["imbalance"], abs=1e-4) and float(row["imbalance"]) >= 1
     assert sorted(r["layout"] for r in rows if r["check"] == "passed") == ["pp2xdp1xtp1", "pp2xdp2xtp1"]
