@@ -167,6 +167,20 @@ def check_tensor_parallel(split, model: torch.nn.Module, plan: dict | None, tp: 
     return plan_stage_flows(split, plan, tp, model)
 
 
+def tp_flows(split, model: torch.nn.Module | None, plan: dict | None, tp: int) -> list[StageFlow]:
+    """The split's tensor-parallel flows at ``tp``, computed once (before any stage is laid out:
+    the flows follow the stages' unflattened graphs) and kept on the split."""
+    cached = split._tp_flows
+    if cached is not None and cached[0] == tp and (plan is None or dict(plan) == cached[1]):
+        return cached[2]
+    if model is None:
+        raise PpsplitError(f"tp={tp}: the split has no tensor-parallel layout at tp={tp} yet; "
+                           "allowed: pass model= (its plan, or plan=) or call ppsplit.parallelize first")
+    flows = check_tensor_parallel(split, model, plan, tp)
+    split._tp_flows = (tp, tp_plan_of(model, plan), flows)
+    return flows
+
+
 def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | None = None,
                 fsdp: bool = True, flows: list[StageFlow] | None = None, bf16: bool = False) -> torch.nn.Module:
     """Apply a layout to stage ``index`` of ``split`` on this rank: tensor parallelism over
@@ -175,7 +189,7 @@ def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | No
     stage = split.stages[index]
     tp = mesh["tp"].size()
     if tp > 1:
-        flows = flows or check_tensor_parallel(split, model, plan, tp)
+        flows = flows or tp_flows(split, model, plan, tp)
         apply_tensor_parallel(stage, model, flows[index], mesh["tp"])
     if mesh["dp"].size() > 1 and fsdp:
         blocks = dict.fromkeys(b.partition("@")[0] for b in split.stage_blocks()[index])  # a shared layer once

@@ -65,7 +65,7 @@ def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source
     mine = stages_of_rank(pp_rank, plan.ranks, plan.stages_per_rank, plan.placement)
     rss_before = peak_rss_bytes()
     channel.report("building this rank's stages")
-    flows = lay.check_tensor_parallel(split, model, m.tp_plan, layout.tp) if layout.tp > 1 else None
+    flows = lay.tp_flows(split, model, m.tp_plan, layout.tp) if layout.tp > 1 else None
     if meta:
         modules = materialize_stages(model, split, mine, spec.seed, m.pretrained, device)
     else:
@@ -109,8 +109,6 @@ def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None)
     send and receive buffers, so each length gets its own (over the same modules)."""
     from torch.distributed import pipelining
 
-    from ppsplit import layout as lay
-
     plan, n_stages = spec.plan, len(r.split.stages)
     pp_group = r.mesh["pp"].get_group() if r.mesh is not None else None
     schedule_cls = getattr(pipelining, SCHEDULES[spec.schedule][0])
@@ -122,10 +120,7 @@ def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None)
     def schedule_for(sizes):
         pipe_stages = []
         for i in r.mine:
-            ins, outs = r.split.stage_io_meta(i, sizes)
-            if r.flows is not None:  # a value that crosses stages sharded travels as this rank's shard
-                ins = tuple(lay.local_shape(t, s, r.layout.tp) for t, s in zip(ins, r.flows[i].inputs))
-                outs = tuple(lay.local_shape(t, s, r.layout.tp) for t, s in zip(outs, r.flows[i].outputs))
+            ins, outs = r.split.stage_io_meta(i, sizes, tp=r.layout.tp)  # a shard where a value crosses sharded
             pipe_stages.append(pipelining.PipelineStage(
                 r.modules[i], i, n_stages, device, input_args=ins, output_args=outs[0] if len(outs) == 1 else outs,
                 group=pp_group))
@@ -308,7 +303,6 @@ def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device
     in order, a stage's outputs sent to the rank of the next (torch's zero-bubble schedules cannot
     run without a backward, so evaluation does not go through the schedule). The loss is on the
     ranks of the last stage; None elsewhere."""
-    from ppsplit import layout as lay
     from ppsplit.trace_split import as_tuple
 
     split, n = r.split, len(r.split.stages)
@@ -329,9 +323,7 @@ def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device
                 if s == 0:
                     values = tuple(t.to(device) for t in split.flat_inputs(mb.args, mb.kwargs))
                 elif rank_of_stage[s - 1] != pp:
-                    ins, _ = split.stage_io_meta(s)
-                    if r.flows is not None:
-                        ins = tuple(lay.local_shape(t, f, r.layout.tp) for t, f in zip(ins, r.flows[s].inputs))
+                    ins, _ = split.stage_io_meta(s, tp=r.layout.tp)
                     values = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in ins)
                     for t in values:
                         dist.recv(t, src=peer(s - 1))

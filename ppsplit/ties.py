@@ -166,3 +166,66 @@ class TieSync:
                     raise RuntimeError(
                         f"tied tensor {e['keys'][0]} drifted across ranks {e['ranks']} at step {step}"
                     )
+
+
+class TiedWeights:
+    """Keep a split's tied weights tied on this rank's stages, for a training loop of your own.
+
+    >>> ties = ppsplit.TiedWeights(split, {0: split.stages[0]}, mesh=mesh)  # every rank, after parallelize
+    >>> schedule.step(...); ties.sync_grads(); optimizer.step()
+
+    ``stages``: this rank's stages by index, laid out (``ppsplit.parallelize``) or not.
+    ``stage_ranks``: the pipeline rank of each stage, in stage order (default: stage i on
+    pipeline rank i; in one process without ``torch.distributed``, every stage on this one).
+    ``mesh``: the ("pp", "dp", "tp") ``DeviceMesh`` the stages are laid out on (None: the
+    world's ranks are the pipeline ranks). Building it is collective over the world, and starts
+    every copy from the lowest pipeline rank's values. ``sync_grads()`` after the backward
+    makes each copy's gradient the sum over all copies (the unsplit model's gradient), however
+    the copies are laid out; ``check()`` fails if any copy differs from another."""
+
+    def __init__(self, split, stages: dict, stage_ranks=None, mesh=None):
+        from ppsplit.errors import PpsplitError
+        from ppsplit.layout import Layout
+
+        n = len(split.stages)
+        distributed = dist.is_available() and dist.is_initialized()
+        if stage_ranks is None:
+            stage_ranks = list(range(n)) if distributed else [0] * n
+        stage_ranks = list(stage_ranks)
+        if len(stage_ranks) != n:
+            raise PpsplitError(f"stage_ranks={stage_ranks}: the split has {n} stages; allowed: one pipeline rank a stage")
+        unknown = sorted(set(stages) - set(range(n)))
+        if unknown:
+            raise PpsplitError(f"stages {unknown}: the split has stages 0..{n - 1}")
+        sizes = {"pp": max(stage_ranks) + 1, "dp": 1, "tp": 1}
+        if mesh is not None:
+            names = tuple(mesh.mesh_dim_names or ())
+            if not set(names) <= set(sizes):
+                raise PpsplitError(f"mesh dimensions {names}: allowed: pp, dp, tp (in that order)")
+            sizes.update({name: mesh.size(i) for i, name in enumerate(names)})
+            order = torch.arange(mesh.mesh.numel()).reshape([sizes[k] for k in names if k in sizes])
+            if list(names) != [k for k in ("pp", "dp", "tp") if k in names] or not torch.equal(mesh.mesh, order):
+                raise PpsplitError(f"mesh {names} of ranks {mesh.mesh.tolist()}: allowed: init_device_mesh's "
+                                   "row-major ranks over (pp, dp, tp)")
+        layout = Layout(sizes["pp"], sizes["dp"], sizes["tp"])
+        rank = dist.get_rank() if distributed else 0
+        if distributed and dist.get_world_size() != layout.world:
+            raise PpsplitError(f"a world of {dist.get_world_size()} ranks for pp={layout.pp} x dp={layout.dp} x "
+                               f"tp={layout.tp}; allowed: a mesh (or stage_ranks) covering the world")
+        mine = [s for s in range(n) if stage_ranks[s] == layout.coords(rank)[0]]
+        if sorted(stages) != mine:
+            raise PpsplitError(f"stages {sorted(stages)} on pipeline rank {layout.coords(rank)[0]}; "
+                               f"stage_ranks={stage_ranks} puts {mine} there")
+        self._sync = TieSync(split.tie_groups, split.stage_keys, dict(stages),
+                             dict(enumerate(stage_ranks)), rank, layout)
+
+    def sync_grads(self) -> None:
+        self._sync.sum_grads()
+
+    def check(self, step: int = 0) -> None:
+        self._sync.check_equal(step)
+
+    @property
+    def groups(self) -> list[dict]:
+        """The tie groups this rank communicates for, with the pipeline ranks involved."""
+        return self._sync.comm_groups()

@@ -50,6 +50,7 @@ class Split:
     _out_leaves: list[tuple[str, Any]] = field(repr=False, default_factory=list)
     _signature: inspect.Signature | None = field(repr=False, default=None)  # the model's forward's
     _bound: dict = field(repr=False, default_factory=dict)  # keyword constants bound at a dynamic trace
+    _tp_flows: tuple | None = field(repr=False, default=None)  # (tp, plan, flows) of the last tensor-parallel layout
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -104,14 +105,28 @@ class Split:
         leaves = [values[v] if kind == "value" else v for kind, v in self._out_leaves]
         return pytree.tree_unflatten(leaves, self._out_spec)
 
-    def stage_io_meta(self, index: int, sizes: dict[str, int] | None = None
+    def stage_io_meta(self, index: int, sizes: dict[str, int] | None = None, *, tp: int = 1,
+                      model: torch.nn.Module | None = None, plan: dict | None = None
                       ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Meta tensors shaped like stage ``index``'s inputs and outputs, from the trace.
 
         Handed to ``PipelineStage`` so it need not run the stage on empty tensors to learn the
         shapes (garbage token ids in a relayed input would index out of range). After a dynamic
         trace, ``sizes`` (``{"batch": 4, "seq": 64}``) gives the sizes to shape them for; a size
-        not given is the example's."""
+        not given is the example's. With ``tp`` > 1, the shapes one tensor-parallel rank sends
+        and receives (a value that crosses stages sharded travels as the rank's shard), by the
+        plan (``plan``, or ``model``'s own; either may be left out once
+        :func:`ppsplit.parallelize` has laid the split out at this ``tp``)."""
+        ins, outs = self._io_meta(index, sizes)
+        if tp == 1:
+            return ins, outs
+        from ppsplit.layout import local_shape, tp_flows
+
+        flow = tp_flows(self, model, plan, tp)[index]
+        return (tuple(local_shape(t, f, tp) for t, f in zip(ins, flow.inputs)),
+                tuple(local_shape(t, f, tp) for t, f in zip(outs, flow.outputs)))
+
+    def _io_meta(self, index: int, sizes: dict[str, int] | None):
         vals = {n.name: n.meta.get("val") for n in self.program.graph.nodes}
         symbols = self.size_symbols()
         given = {symbols[k]: v for k, v in (sizes or {}).items() if k in symbols}

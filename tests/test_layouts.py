@@ -198,3 +198,94 @@ def test_parallelize_from_python(tmp_path):
         loss_fn(model(*mb.args, **mb.kwargs), mb.labels).backward()
     for key, grad in got["grads"].items():
         assert torch.allclose(grad, model.get_parameter(key).grad, atol=1e-6), key
+
+
+def _api_train_rank(rank, world, port, out):
+    """pp2 x dp2 (FSDP2) training of tied GPT2 with the public API and torch's own pipelining."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ppsplit
+    from helpers import model_and_batch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, mbs, loss_fn = model_and_batch("gpt2")  # 4 microbatches: 2 for each dp rank
+    split = ppsplit.split(model, mbs[0].args, mbs[0].kwargs, stages=2)
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    stage = ppsplit.parallelize(split, pp, model, mesh)  # FSDP2 over dp
+    ins, outs = split.stage_io_meta(pp)
+    pipe = pipelining.PipelineStage(stage, pp, 2, torch.device("cpu"), input_args=ins,
+                                    output_args=outs[0] if len(outs) == 1 else outs, group=mesh["pp"].get_group())
+    schedule = pipelining.Schedule1F1B(pipe, n_microbatches=2, loss_fn=loss_fn)
+    ties = ppsplit.TiedWeights(split, {pp: stage}, mesh=mesh)  # wte (stage 0) = lm_head (stage 1)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.5)
+    mine = mbs[2 * dp:2 * dp + 2]
+    inputs = [torch.cat(ts) for ts in zip(*(split.flat_inputs(mb.args, mb.kwargs) for mb in mine))]
+    for _ in range(3):
+        if pp == 0:
+            schedule.step(*inputs)
+        else:
+            schedule.step(target=torch.cat([mb.labels for mb in mine]))
+        ties.sync_grads()
+        optimizer.step()
+        optimizer.zero_grad()
+    ties.check()
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in stage.state_dict().items()}
+    if dp == 0:
+        torch.save({"state": state, "groups": ties.groups}, os.path.join(out, f"stage{pp}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_plain_multiprocessing_script_trains_tied_pp2_x_dp2_with_the_public_api(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from helpers import model_and_batch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_api_train_rank, args=(4, port, str(tmp_path)), nprocs=4)
+    got = [torch.load(tmp_path / f"stage{i}.pt") for i in range(2)]
+    model, mbs, loss_fn = model_and_batch("gpt2")  # the unsplit model, the same 4 microbatches a step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        (sum(loss_fn(model(*mb.args, **mb.kwargs), mb.labels) for mb in mbs) / len(mbs)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = model.state_dict()
+    assert set(got[0]["state"]) | set(got[1]["state"]) == set(want)  # every FQN, as the model names it
+    for part in got:
+        for key, value in part["state"].items():
+            assert torch.allclose(value, want[key], rtol=1e-4, atol=1e-6), key
+    # The tie crossed the pipeline ranks and stayed one tensor: both copies equal the unsplit weight.
+    assert torch.equal(got[0]["state"]["transformer.wte.weight"], got[1]["state"]["lm_head.weight"])
+    assert got[0]["groups"] == [{"keys": ["transformer.wte.weight", "lm_head.weight"], "ranks": [0, 1]}]
+
+
+def test_tied_weights_in_one_process_sum_the_copies_and_refuse_a_wrong_placement():
+    import ppsplit
+    from helpers import model_and_batch
+
+    model, mbs, loss_fn = model_and_batch("gpt2")
+    split = ppsplit.split(model, mbs[0].args, mbs[0].kwargs, stages=2)
+    stages = dict(enumerate(split.stages))
+    ties = ppsplit.TiedWeights(split, stages)  # no torch.distributed: both stages here
+    loss_fn(split(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels).backward()
+    loss_fn(model(*mbs[0].args, **mbs[0].kwargs), mbs[0].labels).backward()
+    ties.sync_grads()
+    want = model.get_parameter("transformer.wte.weight").grad  # the unsplit model's: both uses summed
+    for i, key in ((0, "transformer.wte.weight"), (1, "lm_head.weight")):
+        assert torch.allclose(stages[i].get_parameter(key).grad, want, atol=1e-6), key
+    ties.check()
+    with pytest.raises(PpsplitError, match=r"stage_ranks=\[0\]: the split has 2 stages"):
+        ppsplit.TiedWeights(split, stages, stage_ranks=[0])
+    with pytest.raises(PpsplitError, match=r"stages \[5\]: the split has stages 0..1"):
+        ppsplit.TiedWeights(split, {5: split.stages[0]})
+    with pytest.raises(PpsplitError, match=r"stages \[0\] on pipeline rank 0; stage_ranks=\[0, 0\] puts \[0, 1\]"):
+        ppsplit.TiedWeights(split, {0: split.stages[0]}, stage_ranks=[0, 0])
