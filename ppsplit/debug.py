@@ -23,6 +23,9 @@ class InjectedBaseException(BaseException):
 def inject_crash(mode: str, rank: int, step: int) -> None:
     if mode == "exit":
         os._exit(3)  # a rank that dies without a word
+    if mode == "abort":  # a native failure: says why on stderr, then SIGABRT (as std::terminate does)
+        print(f"injected native abort on rank {rank} at step {step}", file=sys.stderr, flush=True)
+        os.abort()
     if mode == "hang":
         time.sleep(24 * 3600)  # a rank that never answers
     if mode == "base":

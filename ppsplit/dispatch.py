@@ -270,7 +270,7 @@ class Ranks:
             if status is not None:
                 if self.channel.error(rank) is not None:
                     continue  # its error arrived meanwhile; the next round names it
-                dead[rank] = _describe_exit(status)
+                dead[rank] = _describe_exit(status) + _last_words(self.backend, rank, status)
                 continue
             beat = self._beats.get(rank)
             if beat is not None and now - beat["seen"] > silent_s and not isinstance(self.backend, LocalProcesses):
@@ -394,6 +394,31 @@ def _mean_last_loss(results: list[dict]) -> float | None:
 
 def _lost_peer(line: str) -> bool:
     return any(s in line for s in LOST_PEER)
+
+
+# A process that ends itself on a native failure says why in its log: C++'s std::terminate
+# (gloo's errors reach it) prints the exception's what(), Python's fatal errors name themselves.
+_NATIVE_DEATHS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
+_WHY_WORDS = ("what():", "terminate called", "Fatal Python error", "Error", "error")
+
+
+def _last_words(backend, rank: int, status: int) -> str:
+    """What a rank that died of a native failure (an abort, a segmentation fault) last said about
+    it in its log, or nothing (a rank killed from outside has nothing to say)."""
+    log = getattr(backend, "log", None)
+    if status >= 0 or log is None or -status not in [signal.Signals[n].value for n in _NATIVE_DEATHS]:
+        return ""
+    try:
+        with open(log(rank), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    for word in _WHY_WORDS:
+        said = next((line for line in reversed(lines) if word in line), None)
+        if said is not None:
+            return f"; its log says: {said[:300]}"
+    return f"; its log ends: {lines[-1][:300]}" if lines else ""
 
 
 def _describe_exit(status: int) -> str:

@@ -25,7 +25,7 @@ from ppsplit.train_spec import (BF16_TIE_TOLERANCE, BF16_TOLERANCE, DataSpec, Ev
 
 STRATEGIES = ("even", "manual", "layers", "params", "flops")
 LAUNCHERS = ("inline", "local", "slurm")
-CRASH_MODES = ("raise", "exit", "hang", "base")
+CRASH_MODES = ("raise", "exit", "hang", "base", "abort")
 INITS = ("real", "meta", "auto")
 # transformers' tensor-parallel styles that ppsplit applies (ppsplit.layout maps them to torch's).
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicate")

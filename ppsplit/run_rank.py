@@ -87,7 +87,11 @@ def run(spec: JobSpec, launch: dict, rank: int, world: int, local_rank: int, cha
     try:
         from ppsplit.rank_train import train_rank
 
-        return train_rank(spec, launch, rank, world, device, channel)
+        result = train_rank(spec, launch, rank, world, device, channel)
+        # No rank closes its connections while a peer may still be finishing a collective with
+        # it: gloo aborts the process (SIGABRT) when a peer goes away under a pending operation.
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 

@@ -240,6 +240,17 @@ def test_a_failing_rank_is_reported_at_once_not_at_the_timeout(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_that_aborts_natively_is_named_with_what_its_log_says(tmp_path):
+    # gloo's errors end a process through std::terminate (SIGABRT) after a line on stderr; the
+    # driver names the rank and that line, not only the signal
+    proc = run_cli("debug.crash_rank=1", "debug.crash_step=0", "debug.crash_mode=abort", "timeout_s=300",
+                   f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "ppsplit: check failed: rank 1 was killed by SIGABRT; its log ends: injected native abort on rank 1 at step 0"]
+
+
+@pytest.mark.slow
 def test_an_error_on_a_full_disk_still_reaches_the_user(tmp_path):
     disk = tmp_path / "small"
     disk.mkdir()
