@@ -54,7 +54,7 @@ elif mode == "pipeline":
     from torch.distributed.pipelining import SplitPoint, pipeline
     pipeline(model, mb_args=(ids,), mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
 elif mode == "rank":
-    from ppsplit.stage_state import materialize_stages
+    from ppsplit.materialize import materialize_stages
     split = ppsplit.split(model, (ids,), kwargs, points=points)
     before = rss()
     stage = materialize_stages(model, split, [rank], 0, None, torch.device("cpu"))[rank]

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from ppsplit.errors import PpsplitError
 from ppsplit.tasks import TASKS, model_class
-from ppsplit.stage_code import same_kind
 
 IGNORE = -100  # label value the losses skip, as in transformers
 
@@ -325,36 +324,27 @@ def initialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def materialize(model: torch.nn.Module, fqns, device) -> None:
-    """Give the named parameters and buffers of ``model`` real (uninitialised) storage on
-    ``device``; names of one tensor keep naming one tensor. Everything else stays on meta."""
-    wanted = set(fqns)
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
-    targets = {id(named[f]) for f in wanted if f in named}
-    replaced: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, tensor in list(store.items()):
-                if tensor is None or id(tensor) not in targets:
-                    continue
-                if id(tensor) not in replaced:
-                    replaced[id(tensor)] = same_kind(tensor, torch.empty_like(tensor, device=device))
-                store[name] = replaced[id(tensor)]
-
-
 def read_checkpoint_tensors(folder: str, fqns, tie_groups=()) -> dict[str, torch.Tensor]:
     """The named tensors from a transformers safetensors checkpoint (one file, or sharded with
     ``model.safetensors.index.json``), reading only those. A tied name missing from the file
     (``save_pretrained`` writes one name per tied tensor) is read under another name of its group."""
+    fqns = list(fqns)
+    parts = read_checkpoint_parts(folder, [(fqn, None) for fqn in fqns], tie_groups)
+    return {fqn: value for fqn, value in zip(fqns, parts) if value is not None}
+
+
+def read_checkpoint_parts(folder: str, requests, tie_groups=()) -> list[torch.Tensor | None]:
+    """For each ``(fqn, index)`` of ``requests``, that tensor of the checkpoint, or only
+    ``tensor[index]`` (a tuple of slices: a rank's shard) read alone from the file; None where the
+    checkpoint does not hold it (the model's initialisation stands)."""
     import json
 
     from safetensors import safe_open
 
     folder = os.path.expanduser(str(folder))
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
+    index_file = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_file):
+        with open(index_file) as f:
             weight_map = json.load(f)["weight_map"]
     else:
         single = os.path.join(folder, "model.safetensors")
@@ -364,16 +354,15 @@ def read_checkpoint_tensors(folder: str, fqns, tie_groups=()) -> dict[str, torch
         with safe_open(single, "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     alias = {k: g for g in tie_groups for k in g}
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for fqn in fqns:
+    by_file: dict[str, list[tuple[int, str, tuple | None]]] = {}
+    for n, (fqn, index) in enumerate(requests):
         source = fqn if fqn in weight_map else next(
             (k for k in alias.get(fqn, ()) if k in weight_map), None)
-        if source is None:
-            continue  # not in the checkpoint: the model's initialisation stands
-        by_file.setdefault(weight_map[source], []).append((fqn, source))
-    out = {}
-    for file, pairs in by_file.items():
+        if source is not None:
+            by_file.setdefault(weight_map[source], []).append((n, source, index))
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    for file, wanted in by_file.items():
         with safe_open(os.path.join(folder, file), "pt") as f:
-            for fqn, source in pairs:
-                out[fqn] = f.get_tensor(source)
+            for n, source, index in wanted:
+                out[n] = f.get_tensor(source) if index is None else f.get_slice(source)[index]
     return out

@@ -130,6 +130,9 @@ def _run_job(spec: JobSpec, output_dir: str, say, config, target, restarts=()) -
 
         launcher().preload(f"transformers.{m.class_name}")  # its imports overlap the build and trace
     init = build.resolve_init(m.init, m.class_name, m.config, m.pretrained)
+    skipped = f"model.init={init}"
+    if init == "real" and spec.verify.mode == "off" and spec.distributed and spec.steps > 0:
+        init, skipped = "meta", "verify=off"  # no unsplit model anywhere: the ranks hold the weights
     spec = spec.with_model(init=init)
     meta = init == "meta"
     pause("build", spec.debug.pause_at, spec.debug.pause_mode)
@@ -200,7 +203,7 @@ def _run_job(spec: JobSpec, output_dir: str, say, config, target, restarts=()) -
             balance_of = {kind: balance(values) for kind, values in costs.items()}
             numerics_ok = numerics is None or numerics.ok(spec.tolerance)
             print(report.format_checks(m.name, m.class_name, split, rows, balance_of,
-                                       fqn, numerics, spec.tolerance), flush=True)
+                                       fqn, numerics, spec.tolerance, skipped), flush=True)
             run = None
             if spec.steps > 0:
                 from ppsplit.train_compare import train_and_compare
@@ -259,7 +262,7 @@ def _run_job(spec: JobSpec, output_dir: str, say, config, target, restarts=()) -
         "fqn_check": fqn.as_dict(),
         "stage_info": rows,
         "init": init,
-        "numerics": ({"skipped": "model.init=meta"} if numerics is None else
+        "numerics": ({"skipped": skipped} if numerics is None else
                      {**numerics.as_dict(), "ok": numerics_ok, "tolerance": spec.tolerance,
                       "mismatch": None if numerics_ok else _as_mismatch(numerics.worst(spec.tolerance))}),
         "data": _data_section(spec, data_file),

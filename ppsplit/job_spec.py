@@ -71,11 +71,15 @@ class LauncherSpec:
     signal_delay_s: int = 90  # SLURM signals the ranks this long before the time limit
 
 
+FSDP_RESHARD = ("step", "microbatch")  # when FSDP reshards and reduce-scatters under a pipeline schedule
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     dp: int = 1
     tp: int = 1
     fsdp: bool = True
+    fsdp_reshard: str = "step"  # step: torch's (one reduce-scatter a step); microbatch: a shard's memory
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,7 @@ def from_config(cfg, overrides=None) -> JobSpec:
         dp=integer("parallel.dp", get(cfg, "parallel.dp", 1), 1),
         tp=integer("parallel.tp", get(cfg, "parallel.tp", 1), 1),
         fsdp=boolean("parallel.fsdp", get(cfg, "parallel.fsdp", True)),
+        fsdp_reshard=choice("parallel.fsdp_reshard", get(cfg, "parallel.fsdp_reshard", "step"), FSDP_RESHARD),
     )
     checkpoint = _checkpoint_spec(cfg)
     debug = _debug_spec(cfg)

@@ -120,6 +120,39 @@ def apply_fsdp(stage: torch.nn.Module, blocks: list[str], dp_mesh, bf16: bool = 
     fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
 
 
+def reshard_every_microbatch(pipe_stage) -> None:
+    """FSDP2 under a pipeline schedule with the memory of a shard: each microbatch's backward
+    reduce-scatters its gradients block by block and reshards, as FSDP does outside a pipeline.
+
+    torch's ``PipelineStage`` keeps an FSDP stage's parameters gathered and its gradients whole
+    from the first microbatch's backward to the last, then reduce-scatters once: the least
+    communication, but for the length of the backward a rank holds its whole stage twice over
+    (parameters and gradients), whatever ``dp``. Here every microbatch's backward runs with
+    FSDP's own settings for a last backward, and the stage's end-of-backward (the same call the
+    schedule makes after the last one) follows it; the sharded gradients accumulate over the
+    microbatches, and the schedule's own last call scales them as before. Only a full backward
+    is changed (FSDP is refused under the zero-bubble schedules, which split it)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward
+
+    module = pipe_stage.submod
+    if not isinstance(module, FSDPModule):
+        return
+    plain = pipe_stage.backward_maybe_with_nosync
+
+    def backward(backward_type, bwd_kwargs, last_backward=False):
+        if backward_type != "full":
+            return plain(backward_type, bwd_kwargs, last_backward)
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        pipe_stage.perform_reduce_grad(1)  # the groups autograd did not reach, and FSDP's end of backward
+        return grads, None
+
+    pipe_stage.backward_maybe_with_nosync = backward
+
+
 def local_shape(meta: torch.Tensor, shard: int | None, tp: int) -> torch.Tensor:
     if shard is None:
         return meta

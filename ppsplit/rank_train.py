@@ -15,9 +15,8 @@ from ppsplit import build
 from ppsplit.checkpoint_series import staging_path
 from ppsplit.debug import inject_crash, perturb_one_weight, repeat_first_microbatch
 from ppsplit.job_spec import JobSpec
-from ppsplit.stage_state import (average_grads, check_finite, first_non_finite, full_tensors, local_bytes,
-                                 materialize_stages, median_after_first, peak_rss_bytes, separate_local_copies,
-                                 tensor_digest)
+from ppsplit.stage_state import (average_grads, check_finite, first_non_finite, full_tensors, gathered_state,
+                                 local_bytes, median_after_first, peak_rss_bytes, separate_local_copies)
 from ppsplit.schedules import SCHEDULES, stages_of_rank
 from ppsplit.ties import TieSync
 from ppsplit.timeline import Recorder
@@ -47,29 +46,30 @@ class RankStages:
 
 
 def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source_of) -> RankStages:
+    """This rank's stages, laid out and holding only what the rank holds.
+
+    The model is built and traced on the meta device (no weights); the rank keeps its stages,
+    lays them out (tensor parallel, FSDP2) on meta, and only then gives them storage, each tensor
+    its local part alone, filled with the unsplit model's values one block at a time
+    (:mod:`ppsplit.materialize`): a rank's memory follows its stage and its shard."""
     from ppsplit import layout as lay
+    from ppsplit.materialize import materialize_stages
 
     m, plan = spec.model, spec.plan
     layout = lay.Layout(plan.ranks, spec.parallel.dp, spec.parallel.tp, spec.parallel.fsdp)
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
     mesh = lay.device_mesh(layout, device.type) if layout.world > plan.ranks else None
-    meta = m.init == "meta"
     channel.report("building the model")
-    model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout) if meta else \
-        build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
+    model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout)
     channel.report("tracing and splitting")
     example = source_of(model.config).batch(0).shard(dp_rank, layout.dp).microbatches(spec.microbatches)[0]
-    if meta:
-        example = example.to("meta")
+    example = example.to("meta")
     split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
     mine = stages_of_rank(pp_rank, plan.ranks, plan.stages_per_rank, plan.placement)
     rss_before = peak_rss_bytes()
     channel.report("building this rank's stages")
     flows = lay.tp_flows(split, model, m.tp_plan, layout.tp) if layout.tp > 1 else None
-    if meta:
-        modules = materialize_stages(model, split, mine, spec.seed, m.pretrained, device)
-    else:
-        modules = {i: split.stages[i].to(device) for i in mine}
+    modules = {i: split.stages[i] for i in mine}
     separate_local_copies(modules)
     split.stages = [modules.get(i) for i in range(len(split.stages))]  # drop the other ranks' stages
     pattern = checkpoint_pattern(spec.train.activation_checkpointing, split.blocks)
@@ -80,6 +80,8 @@ def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source
         for i in mine:
             lay.parallelize(split, i, model, mesh, m.tp_plan, layout.fsdp, flows,
                             bf16=spec.train.precision == "bf16")
+    channel.report("materialising this rank's stages")
+    materialize_stages(model, split, mine, spec.seed, m.pretrained, device, stages=modules)
     config = model.config
     del model
     problems = [f"stage {i}: {sorted(set(modules[i].state_dict()) ^ set(split.stage_keys[i]))[:4]}"
@@ -124,6 +126,10 @@ def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None)
             pipe_stages.append(pipelining.PipelineStage(
                 r.modules[i], i, n_stages, device, input_args=ins, output_args=outs[0] if len(outs) == 1 else outs,
                 group=pp_group))
+            if spec.parallel.fsdp_reshard == "microbatch" and r.layout.fsdp and r.layout.dp > 1:
+                from ppsplit.layout import reshard_every_microbatch
+
+                reshard_every_microbatch(pipe_stages[-1])
             if recorder is not None:
                 recorder.wrap(pipe_stages[-1], i)
         return schedule_cls(pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
@@ -212,7 +218,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     stepper = Stepper(forward_backward, sync, lambda: grad_norm(norm_params, lambda _k: True, pp_group, device),
                       [p for i in mine for p in modules[i].parameters()], list(optimizers.values()), lr_schedules,
                       accumulation, spec.train.clip_grad_norm, finite=all_finite,
-                      grads_of=lambda: full_tensors(((k, p.grad) for i in mine
+                      grads_of=None if spec.verify.mode == "off" else lambda: full_tensors(((k, p.grad) for i in mine
                                                      for k, p in modules[i].named_parameters(remove_duplicate=False)
                                                      if p.grad is not None), r.keeper))
     stats, diverged, val, saved, stopped = [], None, [], [], None
@@ -258,9 +264,10 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         if series and k < spec.steps - 1 and (start_step + k + 1) % series["every"] == 0:  # the last: the final one
             save_step(start_step + k + 1)
 
-    final = full_tensors(((k, v) for i in mine for k, v in modules[i].state_dict().items()), r.keeper)
-    # every trained tensor goes to the driver's comparison when it trains a reference (not on meta)
-    state = {k: v for k, v in final.items() if debug.return_state or k in tied_keys or m.init != "meta"}
+    # Every trained tensor goes to the driver's comparison when it trains a reference (not on
+    # meta); the others are gathered one at a time for their digests, not kept.
+    state, digests = gathered_state(((k, v) for i in mine for k, v in modules[i].state_dict().items()), r.keeper,
+                                    lambda k: debug.return_state or k in tied_keys or m.init != "meta")
     if launch.get("checkpoint_dir") and diverged is None and stopped is None:
         channel.report("saving the checkpoint")
         ckpt.save(launch["checkpoint_dir"], modules, optimizers, hf=launch.get("hf_dir"), tie_groups=split.tie_groups)
@@ -284,7 +291,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
                                        for v in st.values() if isinstance(v, torch.Tensor)),
         "rss_growth_bytes": r.rss_growth, "peak_rss_bytes": peak_rss_bytes(),
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "digests": {k: tensor_digest(v) for k, v in final.items()} if r.keeper else {},
+        "digests": digests,
         "tie_comm_groups": ties.comm_groups(), "pid": os.getpid(), "host": os.uname().nodename,
     }
 

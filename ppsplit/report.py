@@ -90,7 +90,8 @@ def stage_rows(split, costs: dict) -> list[dict]:
     return rows
 
 
-def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tolerance) -> str:
+def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tolerance,
+                  skipped: str = "model.init=meta") -> str:
     """The stage table, the balance, the ties and the verdicts of the checks."""
     lines = [f"ppsplit: {name} ({class_name}) in {len(split)} stages, "
              f"split at {', '.join(split.points) or '(none)'}",
@@ -106,7 +107,7 @@ def format_checks(name, class_name, split, rows, balance_of, fqn, numerics, tole
     lines.append(f"FQN check: {'passed' if fqn.ok else 'FAILED'}: {fqn.original_keys} original keys"
                  + "".join(f"\n  {p}" for p in fqn.problems()))
     if numerics is None:
-        lines.append("numerics: not checked in the driver (model.init=meta: it holds no weights)")
+        lines.append(f"numerics: not checked in the driver ({skipped}: it holds no weights)")
     else:
         ok = numerics.ok(tolerance)
         lines.append(f"numerics: {'passed' if ok else 'FAILED'}: "
@@ -184,7 +185,8 @@ def format_run(run: dict) -> str:
         return f"run ({where}): FAILED: {diverged_message(run['diverged'], run['steps'])}\n  losses:    " + \
             _some(run["losses"], "{:.6g}")
     if run["reference_losses"] is None:
-        against = "no unsplit reference (the model is too large for the driver)"
+        against = ("no unsplit reference (verify=off)" if run.get("verify", {}).get("mode") == "off"
+                   else "no unsplit reference (the model is too large for the driver)")
     else:
         against = (f"max loss rel diff {run['max_loss_rel_diff']:.2e}, "
                    f"first-step grad diff {run['grad_max_abs_diff']:.2e}")

@@ -1,6 +1,6 @@
 """The tensors of a rank's stages: whole tensors gathered from shards, the bytes a rank holds,
 replicas' gradients averaged, the finite check every rank agrees on, a tie's copies separated
-between stages of one rank, stages materialised from the meta device, and digests."""
+between stages of one rank, and digests."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ppsplit import build
-from ppsplit.stage_code import adopt_tensors, retarget_devices, same_kind
+from ppsplit.stage_code import adopt_tensors, same_kind
 
 
 def median_after_first(times: list[float]) -> float | None:
@@ -29,6 +28,21 @@ def full_tensors(named, keep: bool) -> dict[str, torch.Tensor]:
         if keep:
             out[key] = whole.detach().cpu().clone()
     return out
+
+
+def gathered_state(named, keeper: bool, keep) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each tensor whole (a shard gathered, every rank of its mesh taking part), one at a time:
+    on the keeper, its digest, and a CPU copy where ``keep(fqn)``; nothing elsewhere. Only the
+    copies asked for are held, never the whole stage at once."""
+    state, digests = {}, {}
+    for key, t in named:
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if keeper:
+            digests[key] = tensor_digest(whole)
+            if keep(key):
+                state[key] = whole.detach().cpu().clone()
+        del whole
+    return state, digests
 
 
 def local_bytes(tensors) -> int:
@@ -116,35 +130,6 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def materialize_stages(model, split, indices, seed: int, pretrained: str | None, device) -> dict[int, torch.nn.Module]:
-    """Give stages ``indices`` of a split traced on meta real tensors on ``device``, and only them.
-
-    Their tensors are materialised in the meta model, initialised by the model's own
-    initialisation (deterministic per tensor from the seed, so equal to the unsplit model's) or
-    read from the local checkpoint (only the keys these stages hold), then adopted by the stages.
-    Non-persistent buffers are recomputed by the initialisation: no checkpoint holds them."""
-    stages = {i: split.stages[i] for i in indices}
-    names = {i: set(st.state_dict()) | {n for n, _ in st.named_buffers(remove_duplicate=False)}
-             for i, st in stages.items()}
-    every = set().union(*names.values())
-    build.materialize(model, every, device)
-    build.initialize(model, seed)
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
-    if pretrained:
-        keys = sorted(k for st in stages.values() for k in st.state_dict())
-        with torch.no_grad():
-            for fqn, value in build.read_checkpoint_tensors(pretrained, keys, split.tie_groups).items():
-                named[fqn].copy_(value)
-    for i, stage in stages.items():
-        missing = adopt_tensors(stage, {n: named[n] for n in names[i] if n in named})
-        left = missing + [n for n, t in stage.named_buffers() if t.is_meta]
-        if left:
-            raise RuntimeError(f"stage {i}: no value for {', '.join(sorted(set(left))[:5])}")
-        retarget_devices(stage, device)
-    return stages
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

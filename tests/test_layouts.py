@@ -145,9 +145,23 @@ def test_a_checkpoint_moves_between_layouts_and_training_goes_on_as_if_uninterru
         assert {k: tensor_digest(v) for k, v in loaded.state_dict().items()} == data["run"]["final_state_digests"]
     assert losses == pytest.approx(whole["run"]["losses"], rel=1e-5)
     assert json.loads((previous / "ppsplit.json").read_text())["step"] == steps * len(chain)
-    proc = run_cli(f"model={model}", f"model.pretrained={previous / 'hf'}", "launcher=inline", "steps=1",
-                   f"hydra.run.dir={tmp_path}/pretrained", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    # The HF folder again, as model.pretrained at pp2 x dp2 x tp2: each rank reads only its slices
+    # of the safetensors (rows and columns for TP, FSDP's strided shards whole and cut) and the
+    # run equals the driver's unsplit from_pretrained model.
+    code, data = run_report(tmp_path / "pretrained", f"model={model}", f"model.pretrained={previous / 'hf'}",
+                            "stages=2", "parallel.dp=2", "parallel.tp=2", "steps=1", "timeout_s=300")
+    assert code == 0
+    assert_matches_unsplit(data["run"], steps=1)
+
+
+@pytest.mark.parametrize("model", ["t5"])
+def test_fsdp_resharding_after_every_microbatch_matches_unsplit(tmp_path, model):
+    # each microbatch's backward reduce-scatters and reshards (a shard's memory), the sharded
+    # gradients accumulate over the microbatches: the same training as the unsplit model's
+    code, data = run_report(tmp_path, f"model={model}", "parallel.dp=2", "parallel.fsdp_reshard=microbatch",
+                            "optimizer=adamw", "timeout_s=300")
+    assert code == 0 and data["run"]["mesh"]["fsdp"]
+    assert_matches_unsplit(data["run"], tie_atol=1e-3)
 
 
 # --- the Python API, without Hydra -------------------------------------------------------------------

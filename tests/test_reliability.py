@@ -316,6 +316,7 @@ BAD = [
     (["seq_lens=abc"], "seq_lens='abc': allowed: a list of sequence lengths"),
     (["model=vit", "seq_lens=[16,32]"], "seq_lens=[16, 32]: ViTForImageClassification takes images"),
     (["model=llama", "parallel.tp=2", "seq_lens=[16,32]"], "seq_lens=[16, 32] with parallel.tp=2"),
+    (["parallel.fsdp_reshard=block"], "parallel.fsdp_reshard='block' is not known; allowed: step, microbatch"),
 ]
 
 
