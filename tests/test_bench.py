@@ -145,6 +145,19 @@ def test_layouts(tmp_path):
     assert data["layouts"]["pp2xdp2"]["held_ratio"] < 0.75  # FSDP shards what each rank holds
 
 
+@pytest.mark.slow
+def test_rank_memory(tmp_path):
+    data = run_quick("rank_memory", tmp_path)
+    by_layout = data["layouts"]["release"]
+    for name in ("pp2", "pp2xdp2 reshard=microbatch"):
+        f = by_layout[name]
+        assert f["ok"] and positive(f["max_ratio"]) and positive(f["step_s"]), f
+        for r in f["ranks"]:
+            assert positive(r["held_bytes"]) and positive(r["overhead_bytes"])
+            assert r["held_bytes"] == 2 * r["param_bytes"] + r["optimizer_bytes"]
+    assert positive(data["dp_ratio"]["release"]["pp2xdp2 reshard=microbatch"])
+
+
 def test_training(tmp_path):
     data = run_quick("training", tmp_path)
     check_sides(data["step_time_s"], ("pipeline", "unsplit_1t", "unsplit_2t", "recompute"))
