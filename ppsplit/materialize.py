@@ -21,6 +21,31 @@ from ppsplit.stage_code import retarget_devices, same_kind
 INIT_DEVICE = torch.device("cpu")  # random fills draw on the CPU, as the unsplit model's do
 
 
+def trace_device(device) -> torch.device:
+    """Where a rank traces its model without weights. Models branch on their tensors' device
+    (transformers' MoE routers count tokens per expert with ``histc`` in float32 on the CPU,
+    in int32 elsewhere), so the trace must see the device the stages will run on: on the CPU
+    the tensors are CPU tensors whose pages are never touched (their memory is reserved, not
+    resident); elsewhere the meta device, which takes the accelerator's branches (an
+    accelerator's memory cannot be reserved without being held)."""
+    return torch.device("cpu") if torch.device(device).type == "cpu" else torch.device("meta")
+
+
+def stand_ins(model: torch.nn.Module, device) -> None:
+    """The meta model's tensors as uninitialised tensors on ``device`` (for the trace only:
+    nothing reads or writes them; :func:`to_meta` puts them back)."""
+    if torch.device(device).type != "meta":
+        move_tensors(model, _named_tensors_dict(model), device)
+
+
+def to_meta(*modules: torch.nn.Module) -> None:
+    """Every tensor of ``modules`` that is not on meta replaced by a meta twin, one twin per
+    tensor across all of them (a stage and the model it came from keep sharing)."""
+    twins: dict[int, torch.Tensor] = {}
+    for module in modules:
+        _replace(module, {id(t) for _, t in _named_tensors(module) if not t.is_meta}, "meta", twins)
+
+
 def materialize_stages(model, split, indices, seed: int, pretrained: str | None, device,
                        stages: dict | None = None) -> dict[int, torch.nn.Module]:
     """Give stages ``indices`` of a split traced on meta real tensors on ``device``, and only them.
@@ -83,8 +108,8 @@ def move_tensors(module: torch.nn.Module, fqns, device) -> None:
     _replace(module, {id(named[f]) for f in fqns if f in named}, device)
 
 
-def _replace(module: torch.nn.Module, targets: set[int], device) -> None:
-    new: dict[int, torch.Tensor] = {}
+def _replace(module: torch.nn.Module, targets: set[int], device, new: dict | None = None) -> None:
+    new = {} if new is None else new
     for sub in module.modules():
         for store in (sub._parameters, sub._buffers):
             for name, tensor in list(store.items()):

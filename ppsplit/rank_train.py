@@ -48,12 +48,12 @@ class RankStages:
 def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source_of) -> RankStages:
     """This rank's stages, laid out and holding only what the rank holds.
 
-    The model is built and traced on the meta device (no weights); the rank keeps its stages,
+    The model is built and traced without weights (:func:`ppsplit.materialize.trace_device`); the rank keeps its stages,
     lays them out (tensor parallel, FSDP2) on meta, and only then gives them storage, each tensor
     its local part alone, filled with the unsplit model's values one block at a time
     (:mod:`ppsplit.materialize`): a rank's memory follows its stage and its shard."""
     from ppsplit import layout as lay
-    from ppsplit.materialize import materialize_stages
+    from ppsplit.materialize import materialize_stages, stand_ins, to_meta, trace_device
 
     m, plan = spec.model, spec.plan
     layout = lay.Layout(plan.ranks, spec.parallel.dp, spec.parallel.tp, spec.parallel.fsdp)
@@ -63,13 +63,16 @@ def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source
     model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout)
     channel.report("tracing and splitting")
     example = source_of(model.config).batch(0).shard(dp_rank, layout.dp).microbatches(spec.microbatches)[0]
-    example = example.to("meta")
+    on = trace_device(device)
+    stand_ins(model, on)
+    example = example.to(on)
     split = split_model(model, example.args, example.kwargs, **spec.split_kwargs())
     mine = stages_of_rank(pp_rank, plan.ranks, plan.stages_per_rank, plan.placement)
+    modules = {i: split.stages[i] for i in mine}
+    to_meta(model, *modules.values())
     rss_before = peak_rss_bytes()
     channel.report("building this rank's stages")
     flows = lay.tp_flows(split, model, m.tp_plan, layout.tp) if layout.tp > 1 else None
-    modules = {i: split.stages[i] for i in mine}
     separate_local_copies(modules)
     split.stages = [modules.get(i) for i in range(len(split.stages))]  # drop the other ranks' stages
     pattern = checkpoint_pattern(spec.train.activation_checkpointing, split.blocks)
