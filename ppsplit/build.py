@@ -324,19 +324,9 @@ def initialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def read_checkpoint_tensors(folder: str, fqns, tie_groups=()) -> dict[str, torch.Tensor]:
-    """The named tensors from a transformers safetensors checkpoint (one file, or sharded with
-    ``model.safetensors.index.json``), reading only those. A tied name missing from the file
-    (``save_pretrained`` writes one name per tied tensor) is read under another name of its group."""
-    fqns = list(fqns)
-    parts = read_checkpoint_parts(folder, [(fqn, None) for fqn in fqns], tie_groups)
-    return {fqn: value for fqn, value in zip(fqns, parts) if value is not None}
-
-
-def read_checkpoint_parts(folder: str, requests, tie_groups=()) -> list[torch.Tensor | None]:
-    """For each ``(fqn, index)`` of ``requests``, that tensor of the checkpoint, or only
-    ``tensor[index]`` (a tuple of slices: a rank's shard) read alone from the file; None where the
-    checkpoint does not hold it (the model's initialisation stands)."""
+def checkpoint_weight_map(folder: str) -> dict[str, str]:
+    """Which file of a transformers safetensors checkpoint (one file, or sharded with
+    ``model.safetensors.index.json``) holds each tensor name."""
     import json
 
     from safetensors import safe_open
@@ -345,14 +335,26 @@ def read_checkpoint_parts(folder: str, requests, tie_groups=()) -> list[torch.Te
     index_file = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index_file):
         with open(index_file) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        single = os.path.join(folder, "model.safetensors")
-        if not os.path.exists(single):
-            raise PpsplitError(f"model.pretrained={folder!r} holds no safetensors weights "
-                               "(model.safetensors or model.safetensors.index.json)")
-        with safe_open(single, "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+            return json.load(f)["weight_map"]
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(single):
+        raise PpsplitError(f"model.pretrained={folder!r} holds no safetensors weights "
+                           "(model.safetensors or model.safetensors.index.json)")
+    with safe_open(single, "pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def read_checkpoint_parts(folder: str, requests, tie_groups=(), weight_map: dict | None = None
+                          ) -> list[torch.Tensor | None]:
+    """For each ``(fqn, index)`` of ``requests``, that tensor of the checkpoint, or only
+    ``tensor[index]`` (a tuple of slices: a rank's shard) read alone from the file; None where the
+    checkpoint does not hold it (the model's initialisation stands). A tied name missing from the
+    file (``save_pretrained`` writes one name per tied tensor) is read under another name of its
+    group. ``weight_map``: :func:`checkpoint_weight_map`'s, when the caller reads it once."""
+    from safetensors import safe_open
+
+    folder = os.path.expanduser(str(folder))
+    weight_map = checkpoint_weight_map(folder) if weight_map is None else weight_map
     alias = {k: g for g in tie_groups for k in g}
     by_file: dict[str, list[tuple[int, str, tuple | None]]] = {}
     for n, (fqn, index) in enumerate(requests):

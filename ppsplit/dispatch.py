@@ -398,7 +398,7 @@ def _lost_peer(line: str) -> bool:
 
 # A process that ends itself on a native failure says why in its log: C++'s std::terminate
 # (gloo's errors reach it) prints the exception's what(), Python's fatal errors name themselves.
-_NATIVE_DEATHS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
+_NATIVE_DEATHS = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 _WHY_WORDS = ("what():", "terminate called", "Fatal Python error", "Error", "error")
 
 
@@ -406,7 +406,7 @@ def _last_words(backend, rank: int, status: int) -> str:
     """What a rank that died of a native failure (an abort, a segmentation fault) last said about
     it in its log, or nothing (a rank killed from outside has nothing to say)."""
     log = getattr(backend, "log", None)
-    if status >= 0 or log is None or -status not in [signal.Signals[n].value for n in _NATIVE_DEATHS]:
+    if status >= 0 or log is None or -status not in _NATIVE_DEATHS:
         return ""
     try:
         with open(log(rank), "rb") as f:

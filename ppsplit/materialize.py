@@ -1,7 +1,7 @@
-"""A rank's stages from the meta device: storage for exactly what the rank holds, filled one
-block at a time.
+"""A rank's stages from a model without weights: storage for exactly what the rank holds,
+filled one block at a time.
 
-A rank traces the model on the meta device (no weights), keeps its stages, lays them out
+A rank traces the model without weights (:func:`trace_device`), keeps its stages, lays them out
 (tensor parallel, FSDP2) while they are still on meta, and only then gives them storage: each
 tensor gets its local part alone, a shard where the layout shards it. The values are those of
 the unsplit model. For each of the stage's blocks in turn (then the rest of the stage), the
@@ -65,21 +65,22 @@ def materialize_stages(model, split, indices, seed: int, pretrained: str | None,
     unknown = sorted(set(by_fqn) - set(known))
     if unknown:
         raise RuntimeError(f"no value for {', '.join(unknown[:5])}: not a tensor of the model")
+    weight_map = build.checkpoint_weight_map(pretrained) if pretrained else None  # read once
     for fqns in _groups(by_fqn, split.blocks):
-        _fill(model, fqns, by_fqn, seed, pretrained, split.tie_groups)
+        _fill(model, fqns, by_fqn, seed, pretrained, split.tie_groups, weight_map)
     for stage in stages.values():
         retarget_devices(stage, device)
     return stages
 
 
 @torch.no_grad()
-def _fill(model, fqns, by_fqn, seed, pretrained, tie_groups) -> None:
+def _fill(model, fqns, by_fqn, seed, pretrained, tie_groups, weight_map) -> None:
     """One block: real in ``model``, initialised (or read), copied into the stages' local
     parts, and on meta again; nothing of it outlives the call."""
     move_tensors(model, fqns, INIT_DEVICE)
     build.initialize(model, seed)
     whole = _named_tensors_dict(model)
-    read = _checkpoint_parts(pretrained, fqns, by_fqn, tie_groups) if pretrained else {}
+    read = _checkpoint_parts(pretrained, fqns, by_fqn, tie_groups, weight_map) if pretrained else {}
     for fqn in fqns:
         for tensor in by_fqn[fqn]:
             part = read.get((fqn, id(tensor)))
@@ -169,10 +170,10 @@ def shard_slices(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _checkpoint_parts(folder: str, fqns, by_fqn, tie_groups) -> dict[tuple[str, int], torch.Tensor]:
+def _checkpoint_parts(folder: str, fqns, by_fqn, tie_groups, weight_map) -> dict[tuple[str, int], torch.Tensor]:
     """This rank's parts of the named tensors that the checkpoint holds, by (FQN, id of the
     stage tensor): a shard's rows or columns read alone, a strided shard read whole and cut."""
     wanted = [(fqn, tensor, shard_slices(tensor)) for fqn in fqns for tensor in by_fqn[fqn]]
-    got = build.read_checkpoint_parts(folder, [(fqn, index) for fqn, _, index in wanted], tie_groups)
+    got = build.read_checkpoint_parts(folder, [(fqn, index) for fqn, _, index in wanted], tie_groups, weight_map)
     return {(fqn, id(tensor)): value if index is not None else local_part(tensor, value)
             for (fqn, tensor, index), value in zip(wanted, got) if value is not None}
