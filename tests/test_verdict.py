@@ -97,3 +97,19 @@ def test_dropout_with_tensor_parallelism_is_refused(tmp_path):
     with pytest.raises(PpsplitError, match="dropout=true with parallel.tp=2: a tensor-parallel rank draws"):
         run(compose_cfg("model=llama", "parallel.tp=2", "dropout=true", "+model.config.attention_dropout=0.1"),
             str(tmp_path))
+
+
+def test_a_gradient_that_is_only_rounding_is_compared_at_its_modules_scale():
+    from ppsplit.verify import gradient_scales_by_module
+
+    ref = {"a.key.weight": torch.full((2, 2), 0.5), "a.key.bias": torch.tensor([4e-8, -3e-8]),
+           "a.query.weight": torch.full((2, 2), 0.4), "a.query.bias": torch.tensor([0.3, -0.2])}
+    scales = gradient_scales_by_module(ref)
+    assert scales == pytest.approx({"a.key": 0.5, "a.query": 0.4})
+    rule = Tolerance(2e-2)  # bf16's
+    noisy = ref["a.key.bias"] + 1.25e-7  # softmax is blind to the key bias: its gradient is rounding
+    assert not tensor_difference("a.key.bias", "gradient", noisy, ref["a.key.bias"], rule).ok
+    assert tensor_difference("a.key.bias", "gradient", noisy, ref["a.key.bias"], rule, scales["a.key"]).ok
+    dropped = torch.zeros(2)  # a bias gradient lost is still caught at its module's scale
+    assert not tensor_difference("a.query.bias", "gradient", dropped, ref["a.query.bias"], rule,
+                                 scales["a.query"]).ok
