@@ -80,6 +80,19 @@ class ParallelSpec:
     tp: int = 1
     fsdp: bool = True
     fsdp_reshard: str = "step"  # step: torch's (one reduce-scatter a step); microbatch: a shard's memory
+    fsdp_unit_mib: float | None = None  # None: one FSDP unit per block; else units of at most this many MiB
+
+    @property
+    def fsdp_unit_bytes(self) -> int | None:
+        return None if self.fsdp_unit_mib is None else int(self.fsdp_unit_mib * 2**20)
+
+    def record(self, pp: int) -> dict:
+        """The layout as the report gives it: FSDP's settings where FSDP runs."""
+        fsdp = self.fsdp and self.dp > 1
+        out = {"pp": pp, "dp": self.dp, "tp": self.tp, "fsdp": fsdp}
+        if fsdp:
+            out.update(fsdp_reshard=self.fsdp_reshard, fsdp_unit_mib=self.fsdp_unit_mib)
+        return out
 
 
 @dataclass(frozen=True)
@@ -236,6 +249,8 @@ def from_config(cfg, overrides=None) -> JobSpec:
         tp=integer("parallel.tp", get(cfg, "parallel.tp", 1), 1),
         fsdp=boolean("parallel.fsdp", get(cfg, "parallel.fsdp", True)),
         fsdp_reshard=choice("parallel.fsdp_reshard", get(cfg, "parallel.fsdp_reshard", "step"), FSDP_RESHARD),
+        fsdp_unit_mib=(None if get(cfg, "parallel.fsdp_unit_mib") is None
+                       else number("parallel.fsdp_unit_mib", get(cfg, "parallel.fsdp_unit_mib"), 0.0, exclusive=True)),
     )
     checkpoint = _checkpoint_spec(cfg)
     debug = _debug_spec(cfg)

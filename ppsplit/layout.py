@@ -13,8 +13,9 @@ A rank's stages keep the original FQNs, so the plans that are keyed by them appl
   divided by ``tp`` (:mod:`ppsplit.shard_flow`). No model is special-cased; an op the flow cannot
   follow is refused with its name and module.
 - **FSDP2** (``fully_shard``) over the "dp" mesh on each block of the stage (the split's blocks,
-  by FQN), then on the stage root; ``fsdp=False`` keeps plain replicas whose gradients are
-  averaged after each step.
+  by FQN), or on smaller units carved by size (:func:`fsdp_units`), then on the stage root;
+  ``fsdp=False`` keeps plain replicas whose gradients are averaged after each step. CPU ranks
+  reduce-scatter gradients piece by piece (:class:`PieceByPieceReduceScatter`).
 """
 
 from __future__ import annotations
@@ -102,9 +103,11 @@ def apply_tensor_parallel(stage: torch.nn.Module, model: torch.nn.Module, flow: 
     apply_rewrites(stage, flow.rewrites, tp_mesh)
 
 
-def apply_fsdp(stage: torch.nn.Module, blocks: list[str], dp_mesh, bf16: bool = False) -> None:
+def apply_fsdp(stage: torch.nn.Module, blocks: list[str], dp_mesh, bf16: bool = False,
+               unit_bytes: int | None = None) -> None:
     """``fully_shard`` each of the stage's blocks, then the stage root, over ``dp_mesh``; with
-    ``bf16``, parameters are gathered in bfloat16 and gradients reduced in float32."""
+    ``bf16``, parameters are gathered in bfloat16 and gradients reduced in float32. With
+    ``unit_bytes``, blocks and the root are carved into smaller units first (:func:`fsdp_units`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ppsplit.stage_code import drop_dtype_checks
@@ -114,10 +117,135 @@ def apply_fsdp(stage: torch.nn.Module, blocks: list[str], dp_mesh, bf16: bool = 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         drop_dtype_checks(stage)  # the trace saw float32 where bfloat16 parameters now give bfloat16
     names = {n for n, _ in stage.named_modules()}
-    for block in blocks:
-        if block in names:
-            fully_shard(stage.get_submodule(block), mesh=dp_mesh, mp_policy=policy)
+    units = [b for b in blocks if b in names]
+    if unit_bytes is not None:
+        units = fsdp_units(stage, units, unit_bytes)
+    for unit in units:
+        fully_shard(stage.get_submodule(unit), mesh=dp_mesh, mp_policy=policy)
     fully_shard(stage, mesh=dp_mesh, mp_policy=policy)
+    if dp_mesh.device_type == "cpu":
+        scatter = PieceByPieceReduceScatter()
+        for unit in units + [""]:
+            stage.get_submodule(unit).set_custom_reduce_scatter(scatter)
+
+
+PIECE_BYTES = 1 << 20
+
+
+class PieceByPieceReduceScatter:
+    """FSDP2's gradient reduce-scatter on CPU ranks (gloo), in pieces of at most ``piece_bytes``.
+
+    gloo reduce-scatters through a copy of the whole tensor, so a unit's
+    reduce-scatter held its gradients three times at once (autograd's, FSDP's flat input, gloo's
+    copy); here gloo's copy is one piece. Once the pieces are reduced, FSDP's flat input is given
+    back: FSDP keeps it until the next unit's reduce-scatter in case a GPU stream still reads it,
+    which a CPU rank's finished, synchronous reduce-scatter cannot."""
+
+    def __init__(self, piece_bytes: int = PIECE_BYTES):
+        self.piece_bytes = piece_bytes
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> None:
+        import torch.distributed as dist
+
+        rows = input_tensor.view(group.size(), -1)  # row r: what rank r keeps, of every gradient
+        for cols in _pieces(rows, self.piece_bytes):
+            dist.reduce_scatter_single(output_tensor[cols], rows[:, cols].contiguous().view(-1), op=op, group=group)
+        input_tensor.untyped_storage().resize_(0)
+
+
+def _pieces(rows: torch.Tensor, piece_bytes: int):
+    width = max(1, piece_bytes // (rows.shape[0] * rows.element_size()))
+    return [slice(start, min(start + width, rows.shape[1])) for start in range(0, rows.shape[1], width)]
+
+
+def fsdp_units(stage: torch.nn.Module, blocks: list[str], unit_bytes: int) -> list[str]:
+    """The stage's FSDP units, innermost first, when none should hold more than ``unit_bytes`` of
+    parameters: each block (and the root, what the blocks leave) gives its largest submodules
+    units of their own, recursively, until what stays in it fits. A leaf larger than the limit is
+    one unit. FSDP gathers a unit's parameters only around the unit's own forward and backward, so
+    a submodule stays in its parent's unit when any of its parameters is also held, or read by
+    a graph, outside it (a tie, a weight read by the parent's code)."""
+    blocks = list(blocks)
+    size = {name: 0 for name, _ in stage.named_modules()}  # bytes under a module in no block below it
+    seen: set[int] = set()
+    for fqn, param in stage.named_parameters():  # each tensor once
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        local = param.to_local() if hasattr(param, "to_local") else param  # a tensor-parallel shard
+        parts = fqn.split(".")[:-1]
+        for depth in range(len(parts), -1, -1):
+            holder = ".".join(parts[:depth])
+            size[holder] += local.numel() * local.element_size()
+            if holder in blocks:
+                break
+    shared = _shared_prefixes(stage)
+    units = list(blocks)
+
+    def carve(name: str, module: torch.nn.Module) -> int:
+        """Carve units out of ``name``; the bytes it still holds itself."""
+        left = size[name]
+        children = sorted(((_join(name, c), m) for c, m in module.named_children()), key=lambda x: -size[x[0]])
+        for child, sub in children:
+            if left <= unit_bytes:
+                break
+            if child in units or not size[child]:
+                continue
+            kept = carve(child, sub)
+            left -= size[child] - kept  # what its own units took
+            if kept and child not in shared:
+                units.append(child)
+                left -= kept
+        return left
+
+    for block in blocks:
+        carve(block, stage.get_submodule(block))
+    carve("", stage)
+    return sorted(units, key=lambda n: -n.count("."))  # a unit before any unit that holds it
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _shared_prefixes(stage: torch.nn.Module) -> set[str]:
+    """Modules that cannot be FSDP units of their own: those on the way from a parameter's
+    holders and readers (an unflattened graph's ``get_attr``) up to, not including, their common
+    ancestor, for every parameter with more than one."""
+    users: dict[int, set[str]] = {}
+    for name, module in stage.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            users.setdefault(id(param), set()).add(name)
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            if node.op == "get_attr":
+                try:
+                    param = stage.get_parameter(_join(name, node.target))
+                except AttributeError:
+                    continue  # a buffer, a constant
+                users.setdefault(id(param), set()).add(name)
+    shared: set[str] = set()
+    for holders in users.values():
+        if len(holders) < 2:
+            continue
+        depth = len(_common_prefix(holders).split(".")) if _common_prefix(holders) else 0
+        for holder in holders:
+            parts = holder.split(".") if holder else []
+            shared.update(".".join(parts[:i]) for i in range(depth + 1, len(parts) + 1))
+    return shared
+
+
+def _common_prefix(names: set[str]) -> str:
+    split = [n.split(".") if n else [] for n in names]
+    out = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        out.append(parts[0])
+    return ".".join(out)
 
 
 def reshard_every_microbatch(pipe_stage) -> None:
@@ -215,9 +343,11 @@ def tp_flows(split, model: torch.nn.Module | None, plan: dict | None, tp: int) -
 
 
 def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | None = None,
-                fsdp: bool = True, flows: list[StageFlow] | None = None, bf16: bool = False) -> torch.nn.Module:
+                fsdp: bool = True, flows: list[StageFlow] | None = None, bf16: bool = False,
+                fsdp_unit_bytes: int | None = None) -> torch.nn.Module:
     """Apply a layout to stage ``index`` of ``split`` on this rank: tensor parallelism over
-    ``mesh["tp"]`` with ``plan`` (default: the model's own), then FSDP2 over ``mesh["dp"]``.
+    ``mesh["tp"]`` with ``plan`` (default: the model's own), then FSDP2 over ``mesh["dp"]``, one
+    unit per block, or units of at most ``fsdp_unit_bytes`` of parameters (:func:`fsdp_units`).
     The stage keeps its FQNs. Every rank of the mesh calls this for its stages."""
     stage = split.stages[index]
     tp = mesh["tp"].size()
@@ -226,5 +356,5 @@ def parallelize(split, index: int, model: torch.nn.Module, mesh, plan: dict | No
         apply_tensor_parallel(stage, model, flows[index], mesh["tp"])
     if mesh["dp"].size() > 1 and fsdp:
         blocks = dict.fromkeys(b.partition("@")[0] for b in split.stage_blocks()[index])  # a shared layer once
-        apply_fsdp(stage, list(blocks), mesh["dp"], bf16)
+        apply_fsdp(stage, list(blocks), mesh["dp"], bf16, fsdp_unit_bytes)
     return stage

@@ -60,8 +60,7 @@ def train_and_compare(spec: JobSpec, model, split, source, loss_fn, ranks, targe
     return {
         "launcher": spec.launcher.name,
         "schedule": spec.schedule,
-        "mesh": {"pp": spec.plan.ranks if ranks is not None else 1, "dp": spec.parallel.dp,
-                 "tp": spec.parallel.tp, "fsdp": spec.parallel.fsdp and spec.parallel.dp > 1},
+        "mesh": spec.parallel.record(spec.plan.ranks if ranks is not None else 1),
         "ranks": spec.world_size if ranks is not None else 1,
         "stages_per_rank": spec.plan.stages_per_rank if ranks is not None else len(split.stages),
         "steps": spec.steps,

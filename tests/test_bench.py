@@ -149,13 +149,13 @@ def test_layouts(tmp_path):
 def test_rank_memory(tmp_path):
     data = run_quick("rank_memory", tmp_path)
     by_layout = data["layouts"]["release"]
-    for name in ("pp2", "pp2xdp2 reshard=microbatch"):
+    for name in ("pp2", "pp2xdp2 reshard=microbatch units"):
         f = by_layout[name]
         assert f["ok"] and positive(f["max_ratio"]) and positive(f["step_s"]), f
         for r in f["ranks"]:
             assert positive(r["held_bytes"]) and positive(r["overhead_bytes"])
             assert r["held_bytes"] == 2 * r["param_bytes"] + r["optimizer_bytes"]
-    assert positive(data["dp_ratio"]["release"]["pp2xdp2 reshard=microbatch"])
+    assert positive(data["dp_ratio"]["release"]["pp2xdp2 reshard=microbatch units"])
 
 
 def test_training(tmp_path):

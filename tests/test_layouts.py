@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 
+import ppsplit
+
 from ppsplit import PpsplitError
 from ppsplit.cli import run
 from conftest import run_cli
-from helpers import compose_cfg
+from helpers import compose_cfg, model_and_batch
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +47,8 @@ def test_pp2_with_data_or_tensor_parallel_matches_unsplit(tmp_path, model, dp, t
                             f"optimizer={optimizer}", "timeout_s=300")
     assert code == 0
     run_section = data["run"]
-    assert run_section["mesh"] == {"pp": 2, "dp": dp, "tp": tp, "fsdp": dp > 1}
+    fsdp = {"fsdp_reshard": "step", "fsdp_unit_mib": None} if dp > 1 else {}
+    assert run_section["mesh"] == {"pp": 2, "dp": dp, "tp": tp, "fsdp": dp > 1, **fsdp}
     assert run_section["ranks"] == 2 * dp * tp
     coords = sorted((r["pp"], r["dp"], r["tp"]) for r in run_section["rank_layout"])
     assert coords == [(p, d, t) for p in range(2) for d in range(dp) for t in range(tp)]
@@ -157,11 +160,91 @@ def test_a_checkpoint_moves_between_layouts_and_training_goes_on_as_if_uninterru
 @pytest.mark.parametrize("model", ["t5"])
 def test_fsdp_resharding_after_every_microbatch_matches_unsplit(tmp_path, model):
     # each microbatch's backward reduce-scatters and reshards (a shard's memory), the sharded
-    # gradients accumulate over the microbatches: the same training as the unsplit model's
+    # gradients accumulate over the microbatches: the same training as the unsplit model's; the
+    # blocks carved into units of at most 20 KB (attention, feed-forward, single layers)
     code, data = run_report(tmp_path, f"model={model}", "parallel.dp=2", "parallel.fsdp_reshard=microbatch",
-                            "optimizer=adamw", "timeout_s=300")
-    assert code == 0 and data["run"]["mesh"]["fsdp"]
+                            "parallel.fsdp_unit_mib=0.02", "optimizer=adamw", "timeout_s=300")
+    assert code == 0
+    assert data["run"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1, "fsdp": True, "fsdp_reshard": "microbatch",
+                                   "fsdp_unit_mib": 0.02}
     assert_matches_unsplit(data["run"], tie_atol=1e-3)
+
+
+def _unit_bytes(stage, unit, units, skip=()):
+    """The parameter bytes a unit holds itself: those in no unit below it (and not in ``skip``)."""
+    inner = [u for u in units if u != unit and (not unit or u.startswith(unit + "."))]
+    return sum(p.numel() * p.element_size() for fqn, p in stage.named_parameters()
+               if (not unit or fqn.startswith(unit + ".")) and not any(fqn.startswith(u + ".") for u in inner)
+               and id(p) not in skip)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "t5"])
+def test_fsdp_units_hold_at_most_the_limit(model):
+    from ppsplit.layout import fsdp_units
+
+    whole, mbs, _ = model_and_batch(model)
+    split = ppsplit.split(whole, mbs[0].args, mbs[0].kwargs, stages=2)
+    for index, stage in enumerate(split.stages):
+        blocks = list(dict.fromkeys(b.partition("@")[0] for b in split.stage_blocks()[index]))
+        block_bytes = min(_unit_bytes(stage, b, []) for b in blocks)
+        limit = block_bytes // 3
+        units = fsdp_units(stage, blocks, limit)
+        assert set(blocks) <= set(units) and len(units) > len(blocks)
+        for i, unit in enumerate(units):  # FSDP wraps a module before any module that holds it
+            assert not any(u.startswith(unit + ".") for u in units[i + 1:]), (unit, units)
+        leaves = {n for n, m in stage.named_modules() if not any(True for _ in m.children())}
+        names: dict[int, int] = {}  # a tied tensor (T5's shared embedding) stays where all its holders are
+        for _, p in stage.named_parameters(remove_duplicate=False):
+            names[id(p)] = names.get(id(p), 0) + 1
+        tied = {k for k, n in names.items() if n > 1}
+        for unit in units + [""]:
+            held = _unit_bytes(stage, unit, units, skip=tied)
+            assert held <= limit or unit in leaves, (model, index, unit, held, limit)
+        assert fsdp_units(stage, blocks, 10 * block_bytes * len(blocks)) == blocks  # all fits: one per block
+
+
+def test_fsdp_units_keep_a_tie_in_one_unit():
+    from ppsplit.layout import fsdp_units
+
+    whole, mbs, _ = model_and_batch("gpt2")  # wte is lm_head: one stage holds both
+    split = ppsplit.split(whole, mbs[0].args, mbs[0].kwargs, stages=1)
+    stage = split.stages[0]
+    assert stage.get_parameter("transformer.wte.weight") is stage.get_parameter("lm_head.weight")
+    units = fsdp_units(stage, list(dict.fromkeys(b.partition("@")[0] for b in split.stage_blocks()[0])), 1)
+    assert not {"transformer.wte", "lm_head", "transformer"} & set(units)
+    assert "transformer.h.0.mlp.c_fc" in units  # a leaf of a block: its own unit
+
+
+def _reduce_scatter_rank(rank, port, out):
+    import torch.distributed as dist
+
+    from ppsplit.layout import PieceByPieceReduceScatter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    grads = torch.arange(2 * 1001, dtype=torch.float32) * (rank + 1)
+    expected = torch.empty(1001)
+    dist.reduce_scatter_single(expected, grads.clone(), group=dist.group.WORLD)
+    comm = PieceByPieceReduceScatter(piece_bytes=40)  # 5 columns a piece, the last one 1 wide
+    got = comm.allocate((1001,), dtype=torch.float32, device=torch.device("cpu"))
+    comm(got, grads, dist.group.WORLD, dist.ReduceOp.SUM)
+    torch.save({"equal": torch.equal(got, expected), "input_bytes": grads.untyped_storage().nbytes()},
+               f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_reduce_scatter_in_pieces_equals_gloos(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reduce_scatter_rank, args=(port, str(tmp_path / "out")), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert got == {"equal": True, "input_bytes": 0}  # FSDP's flat input given back at once
 
 
 # --- the Python API, without Hydra -------------------------------------------------------------------

@@ -317,6 +317,7 @@ BAD = [
     (["model=vit", "seq_lens=[16,32]"], "seq_lens=[16, 32]: ViTForImageClassification takes images"),
     (["model=llama", "parallel.tp=2", "seq_lens=[16,32]"], "seq_lens=[16, 32] with parallel.tp=2"),
     (["parallel.fsdp_reshard=block"], "parallel.fsdp_reshard='block' is not known; allowed: step, microbatch"),
+    (["parallel.fsdp_unit_mib=0"], "parallel.fsdp_unit_mib=0: allowed: a number > 0"),
 ]
 
 
