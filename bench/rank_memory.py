@@ -9,6 +9,10 @@ parameter, of its shape) + optimizer state. The fixed overhead (the interpreter,
 transformers, the meta trace, gloo, the schedule's buffers) is measured on its own: the same
 job, layout and layer count with the model's width cut to almost nothing, rank by rank.
 
+At pp2 x dp2, FSDP2 runs three ways: torch's (one unit per block, resharded and reduce-scattered
+once a step), ``parallel.fsdp_reshard=microbatch`` (after every microbatch), and that with
+``parallel.fsdp_unit_mib`` carving each block into units of a layer or two (``UNITS``).
+
 Each job runs twice: with glibc's default malloc, and with ``GLIBC_TUNABLES`` set so that freed
 tensor memory goes back to the system at once (``RELEASE``: a fixed 1 MiB mmap threshold, on
 transparent huge pages so the page faults stay cheap). glibc's default raises its mmap
@@ -32,12 +36,15 @@ import time
 from bench import harness
 
 NAME = "rank_memory"
-LAYOUTS = {"pp2": [], "pp2xdp2": ["parallel.dp=2"],
-           "pp2xdp2 reshard=microbatch": ["parallel.dp=2", "parallel.fsdp_reshard=microbatch"],
-           "pp2xtp2": ["parallel.tp=2"], "pp4": ["stages=4"]}
-QUICK_LAYOUTS = ("pp2", "pp2xdp2 reshard=microbatch")
-FULL = dict(hidden=1024, layers=8, intermediate=2816, heads=16, kv_heads=8, vocab=8000)
-QUICK = dict(hidden=256, layers=4, intermediate=704, heads=8, kv_heads=4, vocab=2000)
+MICROBATCH = ["parallel.dp=2", "parallel.fsdp_reshard=microbatch"]
+UNITS = "pp2xdp2 reshard=microbatch units"  # FSDP units of at most size["unit_mib"]: a block's layers
+LAYOUTS = {"pp2": [], "pp2xdp2": ["parallel.dp=2"], "pp2xdp2 reshard=microbatch": MICROBATCH,
+           UNITS: MICROBATCH, "pp2xtp2": ["parallel.tp=2"], "pp4": ["stages=4"]}
+DP_LAYOUTS = ("pp2xdp2", "pp2xdp2 reshard=microbatch", UNITS)
+QUICK_LAYOUTS = ("pp2", UNITS)
+# unit_mib: a block is 49 MiB (FULL): attention 12, each MLP matrix 11; QUICK's 3.1 and 0.7
+FULL = dict(hidden=1024, layers=8, intermediate=2816, heads=16, kv_heads=8, vocab=8000, unit_mib=8)
+QUICK = dict(hidden=256, layers=4, intermediate=704, heads=8, kv_heads=4, vocab=2000, unit_mib=0.5)
 RELEASE = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576"
 ALLOCATORS = {"default": None, "release": RELEASE}
 TARGET_HELD = 1.3
@@ -115,6 +122,8 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
         print(note)
     results: dict[str, dict] = {a: {} for a in allocators}
     for name, extra in layouts.items():
+        if name == UNITS:
+            extra = extra + [f"parallel.fsdp_unit_mib={size['unit_mib']}"]
         for alloc, tunables in allocators.items():
             big = run_job(model_overrides(size) + base + extra, tunables)
             small = run_job(model_overrides(overhead_size(size)) + base + extra, tunables)
@@ -131,7 +140,7 @@ def main(quick: bool = False, out_dir: str | None = None) -> dict:
     dp_ratio = {a: {} for a in allocators}
     for alloc, by_layout in results.items():
         one = by_layout.get("pp2", {})
-        for name in ("pp2xdp2", "pp2xdp2 reshard=microbatch"):
+        for name in DP_LAYOUTS:
             if by_layout.get(name, {}).get("ok") and one.get("ok"):
                 above = {r["pp"]: r["peak_over_overhead_bytes"] for r in one["ranks"]}
                 dp_ratio[alloc][name] = max(r["peak_over_overhead_bytes"] / above[r["pp"]]
