@@ -312,7 +312,7 @@ def _api_train_rank(rank, world, port, out):
     split = ppsplit.split(model, mbs[0].args, mbs[0].kwargs, stages=2)
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    stage = ppsplit.parallelize(split, pp, model, mesh)  # FSDP2 over dp
+    stage = ppsplit.parallelize(split, pp, model, mesh, fsdp_unit_bytes=4096)  # FSDP2 over dp, units of <= 4 KB
     ins, outs = split.stage_io_meta(pp)
     pipe = pipelining.PipelineStage(stage, pp, 2, torch.device("cpu"), input_args=ins,
                                     output_args=outs[0] if len(outs) == 1 else outs, group=mesh["pp"].get_group())
