@@ -72,6 +72,7 @@ class LauncherSpec:
 
 
 FSDP_RESHARD = ("step", "microbatch")  # when FSDP reshards and reduce-scatters under a pipeline schedule
+FSDP_PARAM_DTYPES = ("float32", "bfloat16")  # what FSDP gathers under train.precision=bf16
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class ParallelSpec:
     fsdp: bool = True
     fsdp_reshard: str = "step"  # step: torch's (one reduce-scatter a step); microbatch: a shard's memory
     fsdp_unit_mib: float | None = None  # None: one FSDP unit per block; else units of at most this many MiB
+    fsdp_param_dtype: str = "float32"  # bfloat16: FSDP gathers bf16 parameters (train.precision=bf16 only)
 
     @property
     def fsdp_unit_bytes(self) -> int | None:
@@ -91,7 +93,8 @@ class ParallelSpec:
         fsdp = self.fsdp and self.dp > 1
         out = {"pp": pp, "dp": self.dp, "tp": self.tp, "fsdp": fsdp}
         if fsdp:
-            out.update(fsdp_reshard=self.fsdp_reshard, fsdp_unit_mib=self.fsdp_unit_mib)
+            out.update(fsdp_reshard=self.fsdp_reshard, fsdp_unit_mib=self.fsdp_unit_mib,
+                       fsdp_param_dtype=self.fsdp_param_dtype)
         return out
 
 
@@ -251,7 +254,12 @@ def from_config(cfg, overrides=None) -> JobSpec:
         fsdp_reshard=choice("parallel.fsdp_reshard", get(cfg, "parallel.fsdp_reshard", "step"), FSDP_RESHARD),
         fsdp_unit_mib=(None if get(cfg, "parallel.fsdp_unit_mib") is None
                        else number("parallel.fsdp_unit_mib", get(cfg, "parallel.fsdp_unit_mib"), 0.0, exclusive=True)),
+        fsdp_param_dtype=choice("parallel.fsdp_param_dtype", get(cfg, "parallel.fsdp_param_dtype", "float32"),
+                                FSDP_PARAM_DTYPES),
     )
+    if parallel.fsdp_param_dtype == "bfloat16" and not bf16:
+        raise PpsplitError(f"parallel.fsdp_param_dtype=bfloat16 with train.precision={train.precision}: "
+                           "allowed: train.precision=bf16, or parallel.fsdp_param_dtype=float32")
     checkpoint = _checkpoint_spec(cfg)
     debug = _debug_spec(cfg)
 

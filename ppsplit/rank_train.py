@@ -82,7 +82,8 @@ def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source
         channel.report("laying out the stages")
         for i in mine:
             lay.parallelize(split, i, model, mesh, m.tp_plan, layout.fsdp, flows,
-                            bf16=spec.train.precision == "bf16", fsdp_unit_bytes=spec.parallel.fsdp_unit_bytes)
+                            bf16=spec.parallel.fsdp_param_dtype == "bfloat16",
+                            fsdp_unit_bytes=spec.parallel.fsdp_unit_bytes)
     channel.report("materialising this rank's stages")
     materialize_stages(model, split, mine, spec.seed, m.pretrained, device, stages=modules)
     config = model.config

@@ -10,8 +10,9 @@ reference, so that the comparison holds step for step:
 5. the optimizer and learning-rate schedule step.
 
 Precision ``bf16``: the forward runs under ``torch.autocast`` in bfloat16 while the parameters,
-their gradients and the optimizer stay float32 (under FSDP2 a ``MixedPrecisionPolicy`` gathers
-bfloat16 parameters and reduces gradients in float32). Activations cross stage boundaries in
+their gradients and the optimizer stay float32; FSDP2 gathers them in float32 too, unless
+``parallel.fsdp_param_dtype=bfloat16`` (a ``MixedPrecisionPolicy``: bfloat16 parameters
+gathered, gradients reduced in float32, every op then computing with bfloat16 weights). Activations cross stage boundaries in
 float32 (a bfloat16 value widens exactly, and narrows back to itself in the next op).
 
 Activation checkpointing (``train.activation_checkpointing``): the modules whose FQN matches the

@@ -47,7 +47,7 @@ def test_pp2_with_data_or_tensor_parallel_matches_unsplit(tmp_path, model, dp, t
                             f"optimizer={optimizer}", "timeout_s=300")
     assert code == 0
     run_section = data["run"]
-    fsdp = {"fsdp_reshard": "step", "fsdp_unit_mib": None} if dp > 1 else {}
+    fsdp = {"fsdp_reshard": "step", "fsdp_unit_mib": None, "fsdp_param_dtype": "float32"} if dp > 1 else {}
     assert run_section["mesh"] == {"pp": 2, "dp": dp, "tp": tp, "fsdp": dp > 1, **fsdp}
     assert run_section["ranks"] == 2 * dp * tp
     coords = sorted((r["pp"], r["dp"], r["tp"]) for r in run_section["rank_layout"])
@@ -166,8 +166,18 @@ def test_fsdp_resharding_after_every_microbatch_matches_unsplit(tmp_path, model)
                             "parallel.fsdp_unit_mib=0.02", "optimizer=adamw", "timeout_s=300")
     assert code == 0
     assert data["run"]["mesh"] == {"pp": 2, "dp": 2, "tp": 1, "fsdp": True, "fsdp_reshard": "microbatch",
-                                   "fsdp_unit_mib": 0.02}
+                                   "fsdp_unit_mib": 0.02, "fsdp_param_dtype": "float32"}
     assert_matches_unsplit(data["run"], tie_atol=1e-3)
+
+
+@pytest.mark.parametrize("model,param_dtype", [("bert", "float32"), ("t5", "float32"), ("llama", "bfloat16")])
+def test_fsdp_under_bf16_matches_the_unsplit_bf16_model(tmp_path, model, param_dtype):
+    # float32 gathered, autocast casting op by op as in the unsplit model: T5 (its wo kept in
+    # float32) and BERT (an embedding summed over every token) matched it only this way
+    code, data = run_report(tmp_path, f"model={model}", "train.precision=bf16", "parallel.dp=2",
+                            f"parallel.fsdp_param_dtype={param_dtype}", "timeout_s=300")
+    assert code == 0 and data["run"]["ok"], data["run"].get("mismatch")
+    assert data["run"]["mesh"]["fsdp_param_dtype"] == param_dtype and data["run"]["train"]["precision"] == "bf16"
 
 
 def _unit_bytes(stage, unit, units, skip=()):

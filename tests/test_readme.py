@@ -90,7 +90,8 @@ def eight_ranks_with_a_tie(runs, cwd):
     ((_, (report,)),) = runs
     run = load(report)["run"]
     assert run["ranks"] == 8 and run["mesh"] == {"pp": 2, "dp": 2, "tp": 2, "fsdp": True,
-                                                  "fsdp_reshard": "step", "fsdp_unit_mib": None}
+                                                  "fsdp_reshard": "step", "fsdp_unit_mib": None,
+                                                  "fsdp_param_dtype": "float32"}
     assert sorted((r["pp"], r["dp"], r["tp"]) for r in run["rank_layout"]) == \
         [(p, d, t) for p in range(2) for d in range(2) for t in range(2)]
     assert [t["keys"] for t in run["ties"]] == [["model.embed_tokens.weight", "lm_head.weight"]]

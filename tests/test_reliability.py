@@ -318,6 +318,9 @@ BAD = [
     (["model=llama", "parallel.tp=2", "seq_lens=[16,32]"], "seq_lens=[16, 32] with parallel.tp=2"),
     (["parallel.fsdp_reshard=block"], "parallel.fsdp_reshard='block' is not known; allowed: step, microbatch"),
     (["parallel.fsdp_unit_mib=0"], "parallel.fsdp_unit_mib=0: allowed: a number > 0"),
+    (["parallel.fsdp_param_dtype=bfloat16"], "parallel.fsdp_param_dtype=bfloat16 with train.precision=fp32: "
+     "allowed: train.precision=bf16, or parallel.fsdp_param_dtype=float32"),
+    (["parallel.fsdp_param_dtype=fp16"], "parallel.fsdp_param_dtype='fp16' is not known; allowed: float32, bfloat16"),
 ]
 
 
