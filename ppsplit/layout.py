@@ -167,7 +167,8 @@ def fsdp_units(stage: torch.nn.Module, blocks: list[str], unit_bytes: int) -> li
     units of their own, recursively, until what stays in it fits. A leaf larger than the limit is
     one unit. FSDP gathers a unit's parameters only around the unit's own forward and backward, so
     a submodule stays in its parent's unit when any of its parameters is also held, or read by
-    a graph, outside it (a tie, a weight read by the parent's code)."""
+    a graph, outside it (a tie, a weight read by the parent's code), or when no graph calls it
+    (a container such as T5's ``layer`` list, whose items the block calls directly)."""
     blocks = list(blocks)
     size = {name: 0 for name, _ in stage.named_modules()}  # bytes under a module in no block below it
     seen: set[int] = set()
@@ -183,6 +184,7 @@ def fsdp_units(stage: torch.nn.Module, blocks: list[str], unit_bytes: int) -> li
             if holder in blocks:
                 break
     shared = _shared_prefixes(stage)
+    called = _called_modules(stage)
     units = list(blocks)
 
     def carve(name: str, module: torch.nn.Module) -> int:
@@ -196,7 +198,7 @@ def fsdp_units(stage: torch.nn.Module, blocks: list[str], unit_bytes: int) -> li
                 continue
             kept = carve(child, sub)
             left -= size[child] - kept  # what its own units took
-            if kept and child not in shared:
+            if kept and child not in shared and child in called:
                 units.append(child)
                 left -= kept
         return left
@@ -209,6 +211,17 @@ def fsdp_units(stage: torch.nn.Module, blocks: list[str], unit_bytes: int) -> li
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _called_modules(stage: torch.nn.Module) -> set[str]:
+    """The modules an unflattened graph of the stage calls (``call_module``)."""
+    called: set[str] = set()
+    for name, module in stage.named_modules(remove_duplicate=False):
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            if node.op == "call_module":
+                called.add(_join(name, node.target))
+    return called
 
 
 def _shared_prefixes(stage: torch.nn.Module) -> set[str]:
