@@ -213,15 +213,17 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _called_modules(stage: torch.nn.Module) -> set[str]:
-    """The modules an unflattened graph of the stage calls (``call_module``)."""
-    called: set[str] = set()
+def _graph_nodes(stage: torch.nn.Module):
+    """``(module name, node)`` for every node of the stage's unflattened graphs."""
     for name, module in stage.named_modules(remove_duplicate=False):
         graph = getattr(module, "graph", None)
         for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
-            if node.op == "call_module":
-                called.add(_join(name, node.target))
-    return called
+            yield name, node
+
+
+def _called_modules(stage: torch.nn.Module) -> set[str]:
+    """The modules an unflattened graph of the stage calls (``call_module``)."""
+    return {_join(name, node.target) for name, node in _graph_nodes(stage) if node.op == "call_module"}
 
 
 def _shared_prefixes(stage: torch.nn.Module) -> set[str]:
@@ -232,19 +234,19 @@ def _shared_prefixes(stage: torch.nn.Module) -> set[str]:
     for name, module in stage.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
             users.setdefault(id(param), set()).add(name)
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
-            if node.op == "get_attr":
-                try:
-                    param = stage.get_parameter(_join(name, node.target))
-                except AttributeError:
-                    continue  # a buffer, a constant
-                users.setdefault(id(param), set()).add(name)
+    for name, node in _graph_nodes(stage):
+        if node.op == "get_attr":
+            try:
+                param = stage.get_parameter(_join(name, node.target))
+            except AttributeError:
+                continue  # a buffer, a constant
+            users.setdefault(id(param), set()).add(name)
     shared: set[str] = set()
     for holders in users.values():
         if len(holders) < 2:
             continue
-        depth = len(_common_prefix(holders).split(".")) if _common_prefix(holders) else 0
+        common = _common_prefix(holders)
+        depth = len(common.split(".")) if common else 0
         for holder in holders:
             parts = holder.split(".") if holder else []
             shared.update(".".join(parts[:i]) for i in range(depth + 1, len(parts) + 1))
