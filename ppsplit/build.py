@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ppsplit.errors import PpsplitError
+from ppsplit.objective import IGNORE, Objective, logits_of  # noqa: F401  (logits_of: public here too)
 from ppsplit.tasks import TASKS, model_class
 
-IGNORE = -100  # label value the losses skip, as in transformers
 
 
 def build_model(
@@ -145,6 +144,20 @@ class Batch:
             for i in range(n)
         ]
 
+    @staticmethod
+    def cat(batches: list["Batch"]) -> "Batch":
+        """One batch of every sample of ``batches``, in order (what is not a tensor: the first's)."""
+        if len(batches) == 1:
+            return batches[0]
+
+        def join(values):
+            return torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
+
+        first = batches[0]
+        return Batch(tuple(join([b.args[i] for b in batches]) for i in range(len(first.args))),
+                     {k: join([b.kwargs[k] for b in batches]) for k in first.kwargs},
+                     join([b.labels for b in batches]))
+
     def shard(self, index: int, count: int) -> "Batch":
         """Data-parallel rank ``index`` of ``count``'s contiguous part of the batch."""
         return self if count == 1 else self.microbatches(count)[index]
@@ -158,8 +171,11 @@ def make_batch(
     seed: int,
     step: int = 0,
     call_kwargs: dict | None = None,
+    padded: bool = False,
 ) -> Batch:
-    """A deterministic batch for ``step``: random token ids from ``seed`` and ``step``."""
+    """A deterministic batch for ``step``: random token ids from ``seed`` and ``step``.
+    ``padded``: each row's labels end at a length drawn from seq_len/4 to seq_len, the rest
+    not scored (right padding: a causal LM's scored positions see only the row's own tokens)."""
     if kind not in TASKS:
         raise PpsplitError(f"model.inputs={kind!r} is not known; allowed: {', '.join(TASKS)}")
     cfg = getattr(model, "config", model)  # a model or its transformers config
@@ -171,6 +187,16 @@ def make_batch(
         return Batch((pixels,), kwargs, torch.randint(0, cfg.num_labels, (batch_size,), generator=gen))
     vocab = cfg.vocab_size
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+    batch = _token_batch(kind, cfg, ids, gen, kwargs)
+    if padded:
+        lengths = torch.randint(max(2, seq_len // 4), seq_len + 1, (batch_size, 1), generator=gen)
+        batch.labels[torch.arange(seq_len) >= lengths] = IGNORE
+    return batch
+
+
+def _token_batch(kind: str, cfg, ids: torch.Tensor, gen: torch.Generator, kwargs: dict) -> Batch:
+    batch_size, seq_len = ids.shape
+    vocab = cfg.vocab_size
     if kind == "causal_lm":
         return Batch((ids,), kwargs, ids.clone())
     if kind == "masked_lm":
@@ -187,38 +213,10 @@ def make_batch(
     return Batch((ids,), kwargs, labels)
 
 
-def logits_of(output) -> torch.Tensor:
-    """The prediction scores: the first leaf of a model's or a last stage's output."""
-    while isinstance(output, (tuple, list)):
-        output = output[0]
-    return output
-
-
-def causal_lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(output)
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE,
-    )
-
-
-def token_loss(output, labels: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(output)
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE
-    )
-
-
-def class_loss(output, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_of(output).float(), labels)
-
-
-def loss_fn(name: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    losses = {"causal_lm": causal_lm_loss, "masked_lm": token_loss, "seq2seq": token_loss,
-              "image_classification": class_loss}
-    if name not in losses:
-        raise PpsplitError(f"model.loss={name!r} is not known; allowed: {', '.join(TASKS)}")
-    return losses[name]
+def loss_fn(name: str) -> Objective:
+    """The task's loss (:mod:`ppsplit.objective`): callable as one batch's mean, with the sum and
+    the count of scored items that a step's loss is made of."""
+    return Objective(name)
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}

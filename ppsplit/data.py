@@ -285,7 +285,7 @@ class BatchSource:
         spec, m = self.spec, self.spec.model
         if self.blocks is None:
             return make_batch(m.inputs, self.config, spec.batch_size, seq_len or spec.seq_len, spec.seed,
-                              step=index, call_kwargs=m.call_kwargs)
+                              step=index, call_kwargs=m.call_kwargs, padded=spec.data.padded)
         return self._inputs(*self.blocks.samples(self.sample_of(index), spec.batch_size))
 
     def sample_of(self, index: int) -> int:
@@ -298,7 +298,7 @@ class BatchSource:
         spec, m = self.spec, self.spec.model
         if self.blocks is None:
             return [make_batch(m.inputs, self.config, spec.batch_size, spec.seq_len, spec.seed + 7_777_777,
-                               step=i, call_kwargs=m.call_kwargs) for i in range(count)]
+                               step=i, call_kwargs=m.call_kwargs, padded=spec.data.padded) for i in range(count)]
         val, b = self.blocks.val, spec.batch_size
         out = []
         for i in range(min(count, len(val) // b)):

@@ -11,8 +11,9 @@ DRIVER_PHASES = ("build", "trace", "check", "train", "save", "report", "summary"
 PAUSE_MODES = ("sleep", "stuck")
 # Defects a rank can be made to have, to prove that the comparison with the unsplit model fails:
 # a tied copy's gradient never summed, the last stage's gradients dropped, microbatch 1 replaced
-# by microbatch 0 (one processed twice), one weight changed by 1e-3 after the split.
-DEFECTS = ("unsynced_tie", "dropped_stage_grad", "repeated_microbatch", "perturbed_weight")
+# by microbatch 0 (one processed twice), one weight changed by 1e-3 after the split, each
+# microbatch's loss its own mean (a mean of means, not the whole batch's: ppsplit.objective).
+DEFECTS = ("unsynced_tie", "dropped_stage_grad", "repeated_microbatch", "perturbed_weight", "mean_of_means")
 
 
 class InjectedBaseException(BaseException):

@@ -315,7 +315,7 @@ def _prepare_data(spec: JobSpec, config, say) -> str | None:
 
 def _data_section(spec: JobSpec, data_file: str | None) -> dict:
     d = spec.data
-    out = {"name": d.name}
+    out = {"name": d.name, **({"padded": True} if d.padded else {})}
     if data_file:
         from ppsplit.data import TokenBlocks
 

@@ -21,8 +21,9 @@ from ppsplit.schedules import SCHEDULES, stages_of_rank
 from ppsplit.ties import TieSync
 from ppsplit.timeline import Recorder
 from ppsplit.trace_split import split as split_model
+from ppsplit.objective import WeightedLoss
 from ppsplit.training import (Stepper, apply_activation_checkpointing, checkpoint_pattern, counted_once,
-                              eval_indices, precision_context)
+                              eval_indices, precision_context, step_batches)
 
 
 @dataclass
@@ -112,16 +113,15 @@ def _wire_outputs(module, args, output):
 
 def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None) -> dict:
     """This rank's stages under the schedule, one per sequence length: PipelineStage fixes its
-    send and receive buffers, so each length gets its own (over the same modules)."""
+    send and receive buffers, so each length gets its own (over the same modules). ``loss_fn``
+    (a :class:`ppsplit.objective.WeightedLoss`) weighs each microbatch itself: the schedules do
+    not divide the gradients by the microbatch count (which would also divide what earlier
+    accumulated batches left in them)."""
     from torch.distributed import pipelining
 
     plan, n_stages = spec.plan, len(r.split.stages)
     pp_group = r.mesh["pp"].get_group() if r.mesh is not None else None
     schedule_cls = getattr(pipelining, SCHEDULES[spec.schedule][0])
-    accumulation = spec.train.grad_accumulation
-
-    def scaled_loss(output, target):
-        return loss_fn(output, target) / accumulation
 
     def schedule_for(sizes):
         pipe_stages = []
@@ -137,7 +137,7 @@ def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None)
             if recorder is not None:
                 recorder.wrap(pipe_stages[-1], i)
         return schedule_cls(pipe_stages if len(pipe_stages) > 1 or plan.placement != "single" else pipe_stages[0],
-                            n_microbatches=spec.microbatches, loss_fn=scaled_loss)
+                            n_microbatches=spec.microbatches, loss_fn=loss_fn, scale_grads=False)
 
     return {length: schedule_for({"seq": length} if spec.dynamic else None)
             for length in dict.fromkeys(spec.seq_lens or (spec.seq_len,))}
@@ -157,7 +157,9 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     split, modules, mine = r.split, r.modules, r.mine
     pp_rank, dp_rank, _ = r.coords
     n_stages, layout = len(split.stages), r.layout
-    loss_fn = build.loss_fn(m.loss)
+    objective = build.loss_fn(m.loss)
+    pieces = spec.microbatches * spec.train.grad_accumulation if spec.debug.defect == "mean_of_means" else None
+    loss_fn = WeightedLoss(objective, pieces)
     recorder = Recorder(rank, pp_rank, r.keeper)
     schedules = make_schedules(spec, r, device, loss_fn, recorder)
     if rank == 0:  # every pipeline rank's action lists, the same on each: one copy is enough
@@ -187,7 +189,6 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     source = source_of(r.config)
     owner = counted_once(split.tie_groups, split.stage_keys)
     norm_params = [(k, p) for i in mine for k, p in modules[i].named_parameters() if owner.get(k, i) == i]
-    accumulation = spec.train.grad_accumulation
 
     def run_batch(schedule, batch) -> float | None:
         args = split.flat_inputs(batch.args, batch.kwargs) if 0 in mine else ()
@@ -198,14 +199,23 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
             schedule.step(*(a.to(device) for a in args), **kwargs)
         if not mb_losses:
             return None
-        return torch.stack([x.detach().float() for x in mb_losses]).mean().item() * accumulation
+        return torch.stack([x.detach().float() for x in mb_losses]).sum().item()
 
-    def forward_backward(i: int) -> float | None:
-        step = start_step + i // accumulation
-        batch = source.batch(start_step * accumulation + i, spec.seq_len_at(step)).shard(dp_rank, layout.dp)
+    def forward_backward(batch, weight: float) -> float | None:
+        # Each rank draws the whole global batch (its count is the step's) and runs its share.
+        # Replicas average their gradients, so each weighs its items dp times: the average is
+        # the sum, and so is the driver's mean of the ranks' losses.
+        loss_fn.weight = weight * layout.dp
+        batch = batch.shard(dp_rank, layout.dp)
         if debug.defect == "repeated_microbatch":
             batch = repeat_first_microbatch(batch, spec.microbatches)
-        return run_batch(schedules[spec.seq_len_at(step)], batch)
+        return run_batch(schedules[seq_len[0]], batch)
+
+    seq_len = [spec.seq_len]  # the running step's
+
+    def batches_of(k: int) -> list:
+        seq_len[0] = spec.seq_len_at(start_step + k)
+        return step_batches(source, spec, start_step, k)
 
     def sync() -> None:
         recorder.optimizer_begin()  # from here: the gradients synchronised, clipped, applied
@@ -219,9 +229,10 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     def all_finite(bad) -> bool:
         return check_finite(0, bad, modules, device) is None
 
-    stepper = Stepper(forward_backward, sync, lambda: grad_norm(norm_params, lambda _k: True, pp_group, device),
+    stepper = Stepper(batches_of, lambda b: objective.count(b.labels),
+                      forward_backward, sync, lambda: grad_norm(norm_params, lambda _k: True, pp_group, device),
                       [p for i in mine for p in modules[i].parameters()], list(optimizers.values()), lr_schedules,
-                      accumulation, spec.train.clip_grad_norm, finite=all_finite,
+                      spec.train.clip_grad_norm, finite=all_finite,
                       grads_of=None if spec.verify.mode == "off" else lambda: full_tensors(((k, p.grad) for i in mine
                                                      for k, p in modules[i].named_parameters(remove_duplicate=False)
                                                      if p.grad is not None), r.keeper))
@@ -261,7 +272,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         if debug.check_ties:
             ties.check_equal(start_step + k)
         if k in evals:
-            val.append({"step": k + 1, "loss": _evaluate(spec, source, r, rank_of_stage, loss_fn, masks, device,
+            val.append({"step": k + 1, "loss": _evaluate(spec, source, r, rank_of_stage, objective, masks, device,
                                                          start_step + k)})
         channel.step_done(k, result.loss, {"lr": result.lr, "grad_norm": result.grad_norm, "time_s": result.time_s,
                                            **({"val_loss": val[-1]["loss"]} if k in evals else {})})
@@ -310,7 +321,7 @@ def _agree_to_stop(channel, device) -> bool:
 
 @torch.no_grad()
 def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device, step) -> float | None:
-    """The mean loss over the held-out batches, forward only: each microbatch through the stages
+    """The loss over every held-out token (:mod:`ppsplit.objective`), forward only: each microbatch through the stages
     in order, a stage's outputs sent to the rank of the next (torch's zero-bubble schedules cannot
     run without a backward, so evaluation does not go through the schedule). The loss is on the
     ranks of the last stage; None elsewhere."""
@@ -318,7 +329,7 @@ def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device
 
     split, n = r.split, len(r.split.stages)
     pp, dp, tp = r.coords
-    last, losses = n - 1, []
+    last, total, count = n - 1, 0.0, 0
 
     def peer(stage):
         return r.layout.rank_of(rank_of_stage[stage], dp, tp)
@@ -326,6 +337,7 @@ def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device
     for j, batch in enumerate(source.validation(spec.eval.batches)):
         if masks is not None:
             masks.start_step(-1 - j - 1000 * step)
+        count += loss_fn.count(batch.labels)  # the whole held-out batch's, on every rank
         for mb in batch.shard(dp, r.layout.dp).microbatches(spec.microbatches):
             values = ()
             for s in range(n):
@@ -345,5 +357,6 @@ def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device
                         dist.send(t.contiguous(), dst=peer(s + 1))
             if last in r.mine:
                 with precision_context(spec.train.precision, device.type):
-                    losses.append(loss_fn(values[0] if len(values) == 1 else values, mb.labels.to(device)).item())
-    return sum(losses) / len(losses) if losses else None
+                    total += loss_fn.total(values[0] if len(values) == 1 else values, mb.labels.to(device)).item()
+    # Each rank's part of the loss over every held-out token, dp times (the driver averages).
+    return total * r.layout.dp / count if last in r.mine and count else None

@@ -196,8 +196,10 @@ def _train_reference(spec, model, reference_model, split, source, loss_fn, load,
     apply_activation_checkpointing(reference_model, checkpoint_pattern(spec.train.activation_checkpointing,
                                                                        split.blocks))
     handles = masks.on_model(reference_model, split.points) if masks is not None else []
-    reference = train_in_process(reference_model, [reference_model], source, spec,
-                                 spec.microbatches * spec.parallel.dp, loss_fn,  # every rank's microbatches
+    # The whole step's batches in one forward and backward; with dropout, in the ranks'
+    # microbatches, whose masks are drawn per microbatch (the same loss either way).
+    pieces = spec.microbatches * spec.parallel.dp if masks is not None else None
+    reference = train_in_process(reference_model, [reference_model], source, spec, pieces, loss_fn,
                                  load=(load, reference_model, split.tie_groups) if load else None, masks=masks,
                                  steps=steps)
     for handle in handles:

@@ -29,6 +29,7 @@ class DataSpec:
     val_fraction: float = 0.05
     cache_dir: str | None = None
     sample_by: str = "paragraph"  # text files: what one document is
+    padded: bool = False  # synthetic: each row's labels end at a length of its own
 
     @property
     def real(self) -> bool:
@@ -75,8 +76,12 @@ class VerifySpec:
 
 def data_spec(cfg) -> DataSpec:
     name = choice("data", get(cfg, "data.name", "synthetic"), DATA_KINDS)
+    padded = get(cfg, "data.padded")
     if name == "synthetic":
-        return DataSpec()
+        return DataSpec(padded=boolean("data.padded", False if padded is None else padded))
+    if padded is not None:
+        raise PpsplitError(f"data.padded={padded!r} with data={name}: only synthetic rows are padded; "
+                           "allowed: data=synthetic")
     path = get(cfg, "data.path")
     if isinstance(path, str):
         path = [path]

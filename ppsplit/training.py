@@ -1,8 +1,9 @@
 """One optimizer step, the same way on the ranks, in the inline pipeline and for the unsplit
 reference, so that the comparison holds step for step:
 
-1. ``train.grad_accumulation`` batches, each its microbatches, forward and backward (the loss of
-   each scaled by 1/accumulation), under ``train.precision``;
+1. ``train.grad_accumulation`` batches, each its microbatches, forward and backward under
+   ``train.precision``, each scored item's loss weighted by 1 / the items the whole step scores
+   (:mod:`ppsplit.objective`): the step's loss and gradients are the whole batch's;
 2. the gradients synchronised (tied copies summed, replicas averaged);
 3. the global gradient norm taken (before clipping) and, with ``train.clip_grad_norm``, every
    gradient scaled down to it (:mod:`ppsplit.optim`);
@@ -39,7 +40,7 @@ from ppsplit.optim import clip_
 @dataclass
 class StepStats:
     step: int  # the optimizer step, counted from the run's first (0)
-    loss: float | None  # the mean over the accumulated batches; None on a rank without the loss
+    loss: float | None  # the step's loss (ppsplit.objective); None on a rank without the loss
     grad_norm: float
     lr: float
     time_s: float
@@ -90,17 +91,20 @@ def apply_activation_checkpointing(root: torch.nn.Module, pattern: re.Pattern | 
 
 @dataclass
 class Stepper:
-    """Runs optimizer steps over one set of modules. ``forward_backward(i)`` runs the ``i``-th
-    batch of the run (its microbatches, forward and backward, the loss already scaled by
-    1/accumulation) and returns its loss (None where the loss is not computed); ``sync`` makes
-    the gradients whole (ties, replicas); ``norm`` returns the global gradient norm."""
-    forward_backward: Callable[[int], float | None]
+    """Runs optimizer steps over one set of modules. ``batches(k)`` gives step ``k``'s global
+    batches (``train.grad_accumulation`` of them) and ``count(batch)`` the items a batch scores;
+    ``forward_backward(batch, weight)`` runs one batch (its microbatches, forward and backward,
+    each scored item's loss times ``weight``) and returns its part of the step's loss (None where
+    the loss is not computed); ``sync`` makes the gradients whole (ties, replicas); ``norm``
+    returns the global gradient norm."""
+    batches: Callable[[int], list]
+    count: Callable[[object], int]
+    forward_backward: Callable[[object, float], float | None]
     sync: Callable[[], None]
     norm: Callable[[], float]
     params: list
     optimizers: list
     schedules: list
-    accumulation: int = 1
     clip: float | None = None
     finite: Callable[[float | None], bool] | None = None  # False stops the run (all ranks agree)
     first_grads: dict = field(default_factory=dict)
@@ -111,9 +115,11 @@ class Stepper:
         """Optimizer step ``k`` of this run; None when a loss or gradient was not finite (the
         optimizer has not stepped)."""
         start = time.perf_counter()
-        losses = [self.forward_backward(k * self.accumulation + a) for a in range(self.accumulation)]
-        losses = [x for x in losses if x is not None]
-        loss = sum(losses) / len(losses) if losses else None
+        batches = self.batches(k)
+        weight = 1.0 / max(1, sum(self.count(b) for b in batches))
+        parts = [self.forward_backward(b, weight) for b in batches]
+        parts = [x for x in parts if x is not None]
+        loss = sum(parts) if parts else None
         self.last_loss = loss
         self.sync()
         norm = self.norm()
@@ -132,6 +138,14 @@ class Stepper:
         for schedule in self.schedules:
             schedule.step()
         return StepStats(k, loss, norm, lr, time.perf_counter() - start, coef)
+
+
+def step_batches(source, spec, start_step: int, k: int) -> list:
+    """The global batches of step ``k`` of a run that began at ``start_step``: indices in the
+    training stream, ``train.grad_accumulation`` a step, at the step's sequence length."""
+    accumulation = spec.train.grad_accumulation
+    return [source.batch((start_step + k) * accumulation + a, spec.seq_len_at(start_step + k))
+            for a in range(accumulation)]
 
 
 def counted_once(tie_groups, stage_keys) -> dict[str, int]:
@@ -153,25 +167,27 @@ def eval_indices(steps: int, every: int) -> set[int]:
     return out
 
 
-def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn, after_backward=None,
+def train_in_process(forward, modules, source, spec, microbatches: int | None, loss_fn, after_backward=None,
                      load: tuple | None = None, on_step=None, masks=None, steps: int | None = None,
                      after_step=None) -> dict:
     """Train ``forward`` (the unsplit model, or the chained stages) in this process exactly as
-    the ranks do (see the module docstring), on ``source``'s batches in ``microbatches`` each.
+    the ranks do (see the module docstring), on ``source``'s batches in ``microbatches`` each;
+    None: each step's batches as one, in one forward and backward (the unsplit model on the
+    whole global batch).
 
-    ``modules`` hold the parameters; the gradients of the first step, the values before and
-    after training are returned by FQN. ``load``: (checkpoint folder, the module whose FQNs key
-    it, tie groups) to resume from. ``masks``: the dropout seeds whose hooks ``forward`` carries.
-    ``steps``: how many (default: the job's; the reference may run fewer). ``after_step(step,
-    optimizer)``: after each step but the last, by the step count since the run began (periodic
-    checkpoints)."""
+    ``loss_fn``: the task's :class:`ppsplit.objective.Objective`. ``modules`` hold the
+    parameters; the gradients of the first step, the values before and after training are
+    returned by FQN. ``load``: (checkpoint folder, the module whose FQNs key it, tie groups) to
+    resume from. ``masks``: the dropout seeds whose hooks ``forward`` carries. ``steps``: how
+    many (default: the job's; the reference may run fewer). ``after_step(step, optimizer)``:
+    after each step but the last, by the step count since the run began (periodic checkpoints)."""
     from ppsplit import checkpoint as ckpt
+    from ppsplit.build import Batch
     from ppsplit.optim import grad_norm, make_lr_schedule, make_optimizer
     from ppsplit.stage_state import first_non_finite, median_after_first
 
     steps = spec.steps if steps is None else steps
     train = spec.train
-    accumulation = train.grad_accumulation
     named = [(k, p) for m in modules for k, p in m.named_parameters()]
     optimizer = make_optimizer(spec.optimizer, named)
     optimizer.zero_grad(set_to_none=True)  # start from no gradients, whatever ran before
@@ -183,20 +199,22 @@ def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn,
     initial = {k: v.detach().clone() for m in modules for k, v in m.state_dict().items()}
     device_type = next((p.device.type for _, p in named), "cpu")
 
-    def forward_backward(i: int) -> float:
-        total = 0.0
-        step = start_step + i // accumulation
-        batch = source.batch(start_step * accumulation + i, spec.seq_len_at(step))  # the stream's own index
-        for mb in batch.microbatches(microbatches):
-            with precision_context(train.precision, device_type):
-                loss = loss_fn(forward(*mb.args, **mb.kwargs), mb.labels)
-            (loss / (microbatches * accumulation)).backward()
-            total += loss.item()
-        return total / microbatches
+    def batches(k: int) -> list:
+        out = step_batches(source, spec, start_step, k)
+        return out if microbatches else [Batch.cat(out)]
 
-    stepper = Stepper(forward_backward, after_backward or (lambda: None),
+    def forward_backward(batch, weight: float) -> float:
+        total = 0.0
+        for mb in batch.microbatches(microbatches or 1):
+            with precision_context(train.precision, device_type):
+                loss = loss_fn.total(forward(*mb.args, **mb.kwargs), mb.labels) * weight
+            loss.backward()
+            total += loss.item()
+        return total
+
+    stepper = Stepper(batches, lambda b: loss_fn.count(b.labels), forward_backward, after_backward or (lambda: None),
                       lambda: grad_norm(named, lambda _k: True), [p for _, p in named], [optimizer], [schedule],
-                      accumulation, train.clip_grad_norm,
+                      train.clip_grad_norm,
                       grads_of=lambda: [{k: p.grad.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)
                                          if p.grad is not None} for m in modules])
     stats, diverged, val = [], None, []
@@ -238,13 +256,14 @@ def train_in_process(forward, modules, source, spec, microbatches: int, loss_fn,
 
 @torch.no_grad()
 def evaluate_in_process(forward, source, spec, microbatches, loss_fn, device_type, masks=None, step=0) -> float:
-    """The mean loss over the held-out batches, forward only (the ranks run the same batches
-    through the pipeline's forward-only schedule)."""
-    losses = []
+    """The loss over every held-out token, forward only: the sum over the scored items of every
+    held-out batch over their count (the ranks run the same batches through the stages)."""
+    total, count = 0.0, 0
     for j, batch in enumerate(source.validation(spec.eval.batches)):
         if masks is not None:
             masks.start_step(-1 - j - 1000 * step)
-        for mb in batch.microbatches(microbatches):
+        count += loss_fn.count(batch.labels)
+        for mb in batch.microbatches(microbatches or 1):
             with precision_context(spec.train.precision, device_type):
-                losses.append(loss_fn(forward(*mb.args, **mb.kwargs), mb.labels).item())
-    return sum(losses) / len(losses) if losses else math.nan
+                total += loss_fn.total(forward(*mb.args, **mb.kwargs), mb.labels).item()
+    return total / count if count else math.nan

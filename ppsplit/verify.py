@@ -134,7 +134,9 @@ def verify_numerics(
 ) -> Numerics:
     """Forward, loss and gradients of the chained stages against the unsplit model.
 
-    Each microbatch is run separately and the loss is their mean, as the pipeline schedules do.
+    Each microbatch is run separately, as the pipeline schedules do. With a
+    :class:`ppsplit.objective.Objective` the loss is the whole batch's (each scored item over the
+    count in every microbatch); with any other ``loss_fn``, the mean of the microbatches' losses.
     A tied tensor's gradient is summed over the stages that hold it before comparing. Gradients
     of ``model`` and of the stages are overwritten. ``masks`` (a :class:`ppsplit.dropout.MaskSeeds`)
     draws a model's dropout masks alike on both sides.
@@ -143,12 +145,12 @@ def verify_numerics(
     # them and take the stages'.
     for module in (model, *split.stages):
         module.zero_grad(set_to_none=True)
-    n = len(microbatches)
+    loss_of = _whole_batch_loss(loss_fn, microbatches)
     ref_outs, ref_loss = [], 0.0
     with _masks_drawn(masks, model=model, points=split.points):
         for mb in microbatches:
             out = model(*mb.args, **mb.kwargs)
-            loss = loss_fn(out, mb.labels) / n
+            loss = loss_of(out, mb.labels)
             loss.backward()
             ref_outs.append(out)
             ref_loss += loss.item()
@@ -157,7 +159,7 @@ def verify_numerics(
     for module in (model, *split.stages):
         module.zero_grad(set_to_none=True)
     with _masks_drawn(masks, stages=split.stages):
-        items, split_loss = _run_split(split, microbatches, ref_outs, loss_fn, n)
+        items, split_loss = _run_split(split, microbatches, ref_outs, loss_of)
     items.append(("loss", "loss", abs(ref_loss - split_loss) if math.isfinite(split_loss) else math.inf,
                   abs(ref_loss)))
 
@@ -188,12 +190,20 @@ def verify_numerics(
     return Numerics(fwd, items_of(items, "loss")[0][2], grad_diff, worst_grad, items)
 
 
-def _run_split(split, microbatches, ref_outs, loss_fn, n):
+def _whole_batch_loss(loss_fn, microbatches) -> Callable:
+    """Each microbatch's part of the whole batch's loss."""
+    if not (hasattr(loss_fn, "total") and hasattr(loss_fn, "count")):
+        return lambda out, labels: loss_fn(out, labels) / len(microbatches)
+    weight = 1.0 / max(1, sum(loss_fn.count(mb.labels) for mb in microbatches))
+    return lambda out, labels: loss_fn.total(out, labels) * weight
+
+
+def _run_split(split, microbatches, ref_outs, loss_of):
     items, split_loss = [], 0.0
     for k, (mb, ref_out) in enumerate(zip(microbatches, ref_outs)):
         out = split(*mb.args, **mb.kwargs)
         items += _output_items(k, ref_out, out)
-        loss = loss_fn(out, mb.labels) / n
+        loss = loss_of(out, mb.labels)
         loss.backward()
         split_loss += loss.item()
     return items, split_loss

