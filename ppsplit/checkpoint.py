@@ -17,9 +17,9 @@ def check_resumable(folder: str, model) -> dict:
     keys must be the model's, both ways, each of the same shape (from DCP's metadata); the
     config fields that differ are named when ``ppsplit.json`` recorded the config."""
     meta = check_loadable(folder, type(model).__name__)
-    import torch.distributed.checkpoint as dcp
+    from ppsplit.checkpoint_reader import read_metadata
 
-    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    stored = read_metadata(folder).state_dict_metadata
     saved = {k: tuple(v.size) for k, v in stored.items() if not k.startswith("optim.") and hasattr(v, "size")}
     mine = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     missing = sorted(set(mine) - set(saved))
@@ -119,9 +119,9 @@ def _alias(key: str, saved: set, aliases: dict[str, list[str]]) -> str | None:
 
 
 def saved_keys(folder: str) -> set[str]:
-    import torch.distributed.checkpoint as dcp
+    from ppsplit.checkpoint_reader import read_metadata
 
-    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    return set(read_metadata(folder).state_dict_metadata)
 
 
 def load(folder: str, modules: dict, optimizers: dict, tie_groups=()) -> int:
@@ -130,6 +130,8 @@ def load(folder: str, modules: dict, optimizers: dict, tie_groups=()) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from ppsplit.checkpoint_reader import SafePlanner, SafeReader
 
     saved = saved_keys(folder)
     aliases = {k: [o for o in group if o != k] for group in tie_groups for k in group}
@@ -143,7 +145,7 @@ def load(folder: str, modules: dict, optimizers: dict, tie_groups=()) -> int:
         request.setdefault(source, value)
     quiet = _quiet()
     try:
-        dcp.load(request, checkpoint_id=folder)
+        dcp.load(request, storage_reader=SafeReader(folder), planner=SafePlanner())
     finally:
         quiet.__exit__(None, None, None)
     loaded = {}

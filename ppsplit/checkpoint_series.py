@@ -7,7 +7,9 @@ into place), holding also ``metrics.csv`` up to its step. After each one stands:
 
 - ``latest`` (a symbolic link to the newest step folder) is replaced in one ``rename``;
 - with ``checkpoint.keep=K``, the step folders older than the K newest are removed, each only
-  when its manifest accounts for all it holds; anything else there is never touched.
+  when its manifest accounts for all it holds; anything else there is never touched. The folder
+  a resumed run loaded from stays until the run's final step stands: the unsplit reference
+  reads it again at the end.
 
 ``checkpoint.load=auto`` resumes from the newest complete step folder, or starts fresh when
 there is none. A lock (``.ppsplit.lock``, held with ``flock`` for the run) refuses a second run
@@ -163,8 +165,10 @@ class Series:
     :class:`~ppsplit.checkpoint_folder.Target` for the final checkpoint (``stage``, ``commit``,
     ``discard``); :meth:`commit_step` seals a periodic one."""
 
-    def __init__(self, folder: str, every: int, keep: int | None, final_step: int, auto: bool = False):
+    def __init__(self, folder: str, every: int, keep: int | None, final_step: int, auto: bool = False,
+                 loaded: str | None = None):
         self.folder, self.every, self.keep, self.final_step = os.path.abspath(folder), every, keep, final_step
+        self.loaded = os.path.realpath(loaded) if loaded else None  # read until the run's end
         check_folder(self.folder, auto)
         self.token = os.urandom(4).hex()
         self.staging: str | None = None
@@ -216,14 +220,16 @@ class Series:
         os.symlink(step_name(step), link)
         os.replace(link, os.path.join(self.folder, LATEST))  # one rename: never a moment without it
         self.committed.append(final)
-        self._prune()
+        self._prune(spare=None if step == self.final_step else self.loaded)
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, spare: str | None) -> None:
         if not self.keep:
             return
         steps = step_folders(self.folder)
         for _, path in steps[:-self.keep]:
+            if os.path.realpath(path) == spare:
+                continue
             if foreign_entry(path) is None:  # nothing in it that ppsplit did not write
                 remove_checkpoint(path)
 

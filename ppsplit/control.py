@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
-import time
 import traceback
 from datetime import timedelta
 
@@ -53,6 +53,9 @@ class DriverChannel:
                                "allowed: a free port, or null to let ppsplit choose one") from None
         self.host, self.port = host, self._socket.getsockname()[1]
         self.store = _store(host, self.port, master_fd=self._socket.fileno())
+        # Whatever reaches the port from outside is the store's business: it drops a malformed
+        # message, and its warning (a stack of C++ frames) stays off the user's console.
+        self._warnings_were = native_log_level(ERROR_LEVEL)
 
     def _key(self, kind: str, rank: int | None = None) -> str:
         return f"{self.token}/ctl/{kind}" + ("" if rank is None else f"/{rank}")
@@ -96,6 +99,28 @@ class DriverChannel:
         except OSError:
             pass
         self.store = None
+        if self._warnings_were is not None:
+            native_log_level(self._warnings_were)
+            self._warnings_were = None
+
+
+ERROR_LEVEL = 2  # c10's log levels: 0 info, 1 warning, 2 error
+
+
+def native_log_level(level: int) -> int | None:
+    """Set the level below which torch's C++ code (c10's ``LOG``) stays silent in this process;
+    returns the previous one (None where this torch build does not export it)."""
+    import ctypes
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        flag = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+    previous, flag.value = flag.value, level
+    return previous
 
 
 class RankChannel:
@@ -165,30 +190,48 @@ class RankChannel:
         short = path[path.rfind(os.sep + "ppsplit" + os.sep) + 1:] if own else os.path.basename(path)
         return f"{short}:{shown.f_lineno} in {shown.f_code.co_name}", waiting
 
-    def _publish(self) -> None:
+    def _beat(self) -> str:
         where, waiting = self.where()
         self._beats += 1
-        beat = {"beat": self._beats, "progress": self.progress, "phase": self.phase, "step": self.step,
-                "completed": self.completed, "recent": dict(self.recent), "saved": self.saved, "where": where,
-                "waiting": waiting, "pid": os.getpid(),
-                "host": socket.gethostname()}
-        self._beat_store.set(self._key("beat", self.rank), json.dumps(beat))
+        return json.dumps({"beat": self._beats, "progress": self.progress, "phase": self.phase, "step": self.step,
+                           "completed": self.completed, "recent": dict(self.recent), "saved": self.saved,
+                           "where": where, "waiting": waiting, "pid": os.getpid(), "host": socket.gethostname()})
+
+    def _publish(self) -> None:
+        self._beat_store.set(self._key("beat", self.rank), self._beat())
 
     def _run(self) -> None:
         while not self._stop.wait(BEAT_S):
             try:
-                self._publish()
+                beat = self._beat()
+            except Exception as err:  # a bug of this thread: said as one, never as a lost driver
+                self._exit_failed(err)
+            try:
+                self._beat_store.set(self._key("beat", self.rank), beat)
                 aborted = self._beat_store.check([self._key("abort")])
-                if not self.stop_requested.is_set() and self._beat_store.check([self._key("stop")]):
-                    self.stop_requested.set()
-                if self._beat_store.check([self._key("recorded")]):
-                    self.recorded = int(self._beat_store.get(self._key("recorded")))
-            except Exception:  # the driver's store is gone, or has not answered for DRIVER_LOST_S
+                stop = not self.stop_requested.is_set() and self._beat_store.check([self._key("stop")])
+                recorded = (self._beat_store.get(self._key("recorded"))
+                            if self._beat_store.check([self._key("recorded")]) else None)
+            except (RuntimeError, OSError):  # the store's errors: the driver is gone, or silent for DRIVER_LOST_S
                 self._exit(EXIT_DRIVER_GONE, "its driver is gone (the control store stopped answering)")
+            if stop:
+                self.stop_requested.set()
+            if recorded is not None:
+                self.recorded = int(recorded)
             if aborted:
                 self._exit(EXIT_ABORTED, "the driver stopped the run")
             if self.driver_pid and not _alive(self.driver_pid):
                 self._exit(EXIT_DRIVER_GONE, f"its driver (pid {self.driver_pid}) is gone")
+
+    def _exit_failed(self, err: BaseException) -> None:
+        """The heartbeat thread itself failed: the driver is told so (this rank's error), then the
+        rank ends."""
+        wrapped = RuntimeError(f"the heartbeat thread failed: {one_line(err)}")
+        wrapped.__traceback__ = err.__traceback__
+        try:
+            self.fail(wrapped, self._beat_store)
+        finally:
+            self._exit(1, str(wrapped))
 
     def _exit(self, status: int, why: str) -> None:
         try:
@@ -197,12 +240,13 @@ class RankChannel:
         finally:
             os._exit(status)
 
-    def fail(self, err: BaseException) -> None:
-        """Send this rank's own error to the driver: its last line first, then the traceback."""
+    def fail(self, err: BaseException, store=None) -> None:
+        """Send this rank's own error to the driver: its last line first, then the traceback
+        (``store``: the connection to send it on, the main thread's by default)."""
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         line = one_line(err)
         try:
-            self.store.set(self._key("error", self.rank), json.dumps({"line": line, "traceback": text}))
+            (store or self.store).set(self._key("error", self.rank), json.dumps({"line": line, "traceback": text}))
         except Exception:
             pass
 
@@ -240,4 +284,5 @@ def _alive(pid: int) -> bool:
 
 
 def new_token() -> str:
-    return f"ppsplit-{os.getpid()}-{time.time_ns():x}-{os.urandom(4).hex()}"
+    """The run's secret: the prefix of every key in its store (256 bits from ``secrets``)."""
+    return f"ppsplit-{secrets.token_hex(32)}"

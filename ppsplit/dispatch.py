@@ -11,6 +11,12 @@ that caused it:
 - ranks that made no progress (no phase or step changed) for ``timeout_s``: the message names
   the rank(s) not blocked on a peer, where they are and at which step.
 
+The monitor never raises into the driver's main thread: it records the failure and stops the
+ranks, and the main thread finds it where it checks (:meth:`Ranks.check`, :meth:`Ranks.wait`).
+What the driver writes for the ranks' steps and checkpoints (the metrics log, sealing and pruning
+step folders, which hash every file) runs on a thread of its own, so that a slow disk never
+blinds the monitor.
+
 On a failure, an interrupt (Ctrl-C, SIGTERM, SIGHUP) or any error in the driver the ranks are
 stopped: locally each rank's process group gets SIGTERM and, two seconds later, SIGKILL; on
 SLURM the channel tells them to stop and the job is cancelled. A rank whose driver dies (even
@@ -25,13 +31,14 @@ import pickle
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ppsplit.control import EXIT_ABORTED, EXIT_DRIVER_GONE, RANK_LOST_S, DriverChannel, new_token
 from ppsplit.errors import CheckFailed
 from ppsplit.job_spec import JobSpec
 from ppsplit.local_ranks import LocalProcesses
-from ppsplit.slurm_ranks import SlurmJob, driver_address
-from ppsplit.stop_signals import ACTIVE, RanksFailed, interrupt_main
+from ppsplit.slurm_ranks import UNANSWERED, SlurmJob, driver_address
+from ppsplit.stop_signals import ACTIVE
 
 POLL_S = 0.25
 ROOT_CAUSE_GRACE_S = RANK_LOST_S + 1.0  # after a lost-peer error, wait this long for its cause
@@ -81,7 +88,8 @@ class Ranks:
         self.failure: str | None = None
         self.results: list[dict] | None = None
         self._done = threading.Event()
-        self._waiting = self._closing = False
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="ppsplit-io")  # the driver's writes, in order
+        self._io_error: str | None = None
         self._thread: threading.Thread | None = None
         self._beats: dict[int, dict] = {}
         self._reported_step = 0
@@ -89,13 +97,16 @@ class Ranks:
 
     # lifecycle
     def start(self, payload: dict) -> "Ranks":
-        os.makedirs(self.folder, exist_ok=True)
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        os.chmod(self.folder, 0o700)  # the launch file holds the run's secret; results and logs too
         launcher = self.spec.launcher
         host = "127.0.0.1" if launcher.name == "local" else driver_address(launcher.driver_host)
         token = new_token()
         self.channel = DriverChannel(host, launcher.port, token)
         launch_file = os.path.join(self.folder, "launch.pkl")
-        with open(launch_file, "wb") as f:
+        fd = os.open(launch_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an earlier attempt's file too
+        with os.fdopen(fd, "wb") as f:
             pickle.dump({**payload, "spec": self.spec, "host": host, "port": self.channel.port,
                          "token": token, "folder": self.folder}, f)
         if launcher.name == "local":
@@ -124,18 +135,16 @@ class Ranks:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         ACTIVE.discard(self)
-        self._closing = True  # from here on the monitor never interrupts the main thread
         if self.backend is not None and self.results is None:
             self.cancel(f"the driver stopped ({exc_type.__name__ if exc_type else 'done'})")
         self._done.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._io.shutdown(wait=True)
         if self.backend is not None:
             self.backend.finished()
         if self.channel is not None:
             self.channel.close()
-        if exc_type is RanksFailed and self.failure:
-            raise CheckFailed(self.failure) from None
         return False
 
     def can_save_on_stop(self) -> bool:
@@ -160,16 +169,17 @@ class Ranks:
         if self.backend is not None:
             self.backend.cancel()
 
-    def wait(self) -> list[dict]:
-        """Every rank's result, or :class:`CheckFailed` naming the rank that failed."""
-        self._waiting = True
-        try:
-            while not self._done.wait(0.5):
-                pass
-        except RanksFailed:
-            pass
+    def check(self) -> None:
+        """:class:`CheckFailed` naming the rank that failed, if one has (the main thread asks at
+        the points where it goes on to other work)."""
         if self.failure:
             raise CheckFailed(self.failure)
+
+    def wait(self) -> list[dict]:
+        """Every rank's result, or :class:`CheckFailed` naming the rank that failed."""
+        while not self._done.wait(0.5):
+            pass
+        self.check()
         return self.results
 
     # the monitor
@@ -192,7 +202,11 @@ class Ranks:
             self._report_placement()
             self._report_steps()
             self._report_saves((self._beats.get(0) or {}).get("saved") or ())
-            failure = self._stalled(seen, now) or self._job_ended()
+            ended = self._job_ended()
+            if ended:  # every rank is gone now: the one that caused it is named, as it would have been
+                self._read_channel(seen, time.monotonic())  # an error sent just before the end
+                return self._fail(*(self._failed_rank(seen, time.monotonic(), job_over=True) or (ended,)))
+            failure = self._io_error or self._stalled(seen, now)
             if failure:
                 return self._fail(failure)
             time.sleep(POLL_S)
@@ -211,19 +225,23 @@ class Ranks:
                     seen.errors[rank] = error
                     seen.first_error_at = seen.first_error_at or now
 
-    def _failed_rank(self, seen: "_Seen", now: float) -> tuple[str, dict | None] | None:
+    def _failed_rank(self, seen: "_Seen", now: float, job_over: bool = False) -> tuple[str, dict | None] | None:
         """The failure to report, naming the rank that caused it: a rank's own error first, then
-        a rank that died, then (after a grace) a rank that only lost its peer."""
+        a rank that died, then (after a grace) a rank that only lost its peer. ``job_over``: the
+        ranks' SLURM job has ended, so no grace is left: once a rank has said it lost its peer,
+        a rank that neither failed nor finished is the one that went away, whichever the driver
+        noticed first."""
         errors = seen.errors
         own = {r: e for r, e in errors.items() if not _lost_peer(e["line"])}
         if own:
             rank = min(own)
             return f"rank {rank} failed: {own[rank]['line']}", own[rank]
-        deaths = self._deaths(errors, now, SILENT_AFTER_LOSS_S if errors else RANK_LOST_S)
+        silent_s = SILENT_AFTER_LOSS_S if errors else RANK_LOST_S
+        deaths = self._deaths(errors, now, 0.0 if job_over and errors else silent_s)
         if deaths:
             rank = min(deaths)
             return f"rank {rank} {deaths[rank]}", None
-        if errors and now - seen.first_error_at > ROOT_CAUSE_GRACE_S:
+        if errors and (job_over or now - seen.first_error_at > ROOT_CAUSE_GRACE_S):
             rank = min(errors)
             return f"rank {rank} failed: {errors[rank]['line']}", errors[rank]
         return None
@@ -231,6 +249,9 @@ class Ranks:
     def _finish(self) -> None:
         self.results = self._load_results()
         self._report_saves(next((r.get("saved_steps") or () for r in self.results if r["rank"] == 0), ()))
+        self._io.submit(lambda: None).result()  # what the steps and saves wrote, all of it
+        if self._io_error:
+            return self._fail(self._io_error)
         done = max((len(r["step_times_s"]) for r in self.results), default=0)
         if done > self._reported_step:
             spec, last = self.spec, done - 1
@@ -254,6 +275,8 @@ class Ranks:
         if not isinstance(self.backend, SlurmJob):
             return None
         state = self.backend.state()
+        if state == UNANSWERED:
+            return f"SLURM does not answer about {self.backend.describe().split(';')[0]}: {self.backend.query_error}"
         if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                      "BOOT_FAIL", "DEADLINE") or state.startswith("CANCELLED"):
             return f"the SLURM job ended ({state}) before every rank finished"
@@ -300,7 +323,7 @@ class Ranks:
             for k in range(self._reported_step, completed):
                 measured = self.step_metrics(k)
                 if self.on_step is not None and "time_s" in measured:
-                    self.on_step(k, **measured)
+                    self._off_path(f"recording step {k + 1}", self.on_step, k, **measured)
             self._reported_step = completed
             with contextlib.suppress(Exception):  # only lets the ranks forget those rows
                 self.channel.recorded(completed)
@@ -316,7 +339,18 @@ class Ranks:
             if step not in self._saved:
                 self._saved.add(step)
                 if self.on_saved is not None:
-                    self.on_saved(step)
+                    self._off_path(f"sealing the checkpoint of step {step}", self.on_saved, step)
+
+    def _off_path(self, what: str, work, *args, **kwargs) -> None:
+        """``work`` on the driver's writing thread; its failure fails the run, named."""
+        def run():
+            try:
+                work(*args, **kwargs)
+            except Exception as err:
+                if self._io_error is None:
+                    self._io_error = f"the driver failed {what}: {type(err).__name__}: {err}"
+
+        self._io.submit(run)
 
     def step_metrics(self, step: int) -> dict:
         """What the ranks measured at ``step`` (0-based), as far as their heartbeats still carry
@@ -362,8 +396,6 @@ class Ranks:
                     f.write(error["traceback"])
         self.failure = message
         self.cancel(message)
-        if not self._waiting and not self._closing:
-            interrupt_main()
 
     def _load_results(self) -> list[dict]:
         import torch
@@ -371,7 +403,7 @@ class Ranks:
         out = []
         for rank in range(self.world):
             path = os.path.join(self.folder, f"rank{rank}.result.pt")
-            out.append(torch.load(path, weights_only=False))
+            out.append(torch.load(path, weights_only=True))  # plain values and tensors, nothing to run
             os.unlink(path)  # its figures go into the report; its gradients can be large
         return out
 

@@ -63,7 +63,8 @@ def _run_once(spec: JobSpec, output_dir: str, say, restarts: list[dict]) -> int:
             from ppsplit.checkpoint_series import Series
 
             at = int(read_meta(spec.checkpoint.load)["step"]) if spec.checkpoint.load else 0
-            target = Series(folder, spec.checkpoint.every, spec.checkpoint.keep, at + spec.steps, auto)
+            target = Series(folder, spec.checkpoint.every, spec.checkpoint.keep, at + spec.steps, auto,
+                            loaded=spec.checkpoint.load)
         else:
             from ppsplit.checkpoint_folder import Target
 
@@ -198,6 +199,7 @@ def _run_job(spec: JobSpec, output_dir: str, say, config, target, restarts=()) -
                     numerics = verify_numerics(model, split, microbatches, loss_fn, masks)
             say.phase("verify", "checked the FQNs" + ("" if meta else " and the numerics"))
             if ranks is not None:
+                ranks.check()  # a rank that failed meanwhile is named here, before anything else is said
                 ranks.say_started()
             rows = report.stage_rows(split, costs)
             balance_of = {kind: balance(values) for kind, values in costs.items()}

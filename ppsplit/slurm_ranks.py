@@ -9,8 +9,15 @@ import re
 import subprocess
 import time
 
-from ppsplit.errors import PpsplitError
+from ppsplit.errors import CheckFailed, PpsplitError
 from ppsplit.job_spec import JobSpec
+
+UNANSWERED = "UNANSWERED"  # the job's state once QUERY_TRIES queries in a row have failed
+QUERY_TRIES = 6  # state queries in a row that may fail (one each STATE_EVERY_S) before the run fails
+
+
+class QueryFailed(Exception):
+    """A SLURM client command that did not answer (not found, timed out, or failed)."""
 
 
 class SlurmJob:
@@ -43,27 +50,46 @@ class SlurmJob:
         self.folder = folder
         with _outside_any_job():
             self.job = executor.submit(rank_entry, launch_file)
-        self._state, self._state_at = "PENDING", 0.0
+        # Known only from an answer: a failed query is never read as "pending" or "not cancelled".
+        self._state, self._state_at = "SUBMITTED", 0.0
+        self._failures, self.query_error = 0, None
         self._cancelled = False
 
     def exit_status(self, rank: int) -> int | None:
         return None  # SLURM does not tell a task's status while the job runs: heartbeats do
 
     def state(self) -> str:
+        """The job's state from SLURM's accounting (asked at most every STATE_EVERY_S): PENDING
+        until it is recorded there; UNKNOWN after a query that failed, and UNANSWERED (with
+        ``query_error``) once QUERY_TRIES in a row have."""
         now = time.monotonic()
         if now - self._state_at > self.STATE_EVERY_S:
             self._state_at = now
-            with contextlib.suppress(Exception):  # the scheduler may not answer this time
-                self._state = str(self.job.state)
+            try:
+                self._state = self._accounted() or "PENDING"  # submitted, not yet in the accounting
+                self._failures = 0
+            except QueryFailed as err:
+                self._failures += 1
+                self.query_error = f"{err} ({self._failures} queries in a row)"
+                self._state = UNANSWERED if self._failures >= QUERY_TRIES else "UNKNOWN"
         return self._state
 
     def cancelled(self) -> bool:
-        """Whether the job was cancelled (``scancel``), asked of the accounting now, not cached."""
-        with contextlib.suppress(Exception):
-            out = subprocess.run(["sacct", "-j", str(self.job.job_id), "-X", "-n", "-o", "State"],
-                                 capture_output=True, text=True, timeout=10).stdout
-            return "CANCELLED" in out
-        return False
+        """Whether the job was cancelled (``scancel``), asked of the accounting now, not cached;
+        a few tries, then :class:`~ppsplit.errors.CheckFailed` (a job whose end cannot be told is
+        never requeued)."""
+        for attempt in range(3):
+            try:
+                return "CANCELLED" in self._accounted()
+            except QueryFailed as err:
+                failed = err
+                time.sleep(1.0 * (attempt + 1))
+        raise CheckFailed(f"cannot tell whether SLURM job {self.job.job_id} was cancelled ({failed}); "
+                          "it is not requeued")
+
+    def _accounted(self) -> str:
+        """The job's state line in ``sacct`` (empty before the accounting has it)."""
+        return _query("sacct", "-j", str(self.job.job_id), "-X", "-n", "-P", "-o", "State").strip()
 
     def describe(self) -> str:
         return f"SLURM job {self.job.job_id}; logs in {self.folder}"
@@ -79,6 +105,18 @@ class SlurmJob:
 
     def finished(self) -> None:
         pass
+
+
+def _query(*command: str, timeout_s: float = 10.0) -> str:
+    """A SLURM client command's output, or :class:`QueryFailed` saying why there is none."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise QueryFailed(f"{command[0]}: {type(err).__name__}: {err}") from None
+    if proc.returncode != 0:
+        said = (proc.stderr or proc.stdout).strip().splitlines()
+        raise QueryFailed(f"{command[0]} exited with {proc.returncode}" + (f": {said[-1][:200]}" if said else ""))
+    return proc.stdout
 
 
 @contextlib.contextmanager

@@ -12,10 +12,6 @@ import threading
 import time
 
 
-class RanksFailed(BaseException):
-    """Raised in the driver's main thread by the monitor when the ranks fail meanwhile."""
-
-
 class Interrupted(BaseException):
     """The driver got a signal asking it to stop (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2);
     ``saved``: the checkpoint the ranks wrote on the way out (``checkpoint.every``)."""
@@ -29,18 +25,8 @@ class Interrupted(BaseException):
         return signal.Signals(self.signum).name
 
 
-def interrupt_main() -> None:
-    """The monitor's way to raise :class:`RanksFailed` in the driver's main thread."""
-    import _thread
-
-    _MONITOR_FAILED.set()
-    with contextlib.suppress(Exception):
-        _thread.interrupt_main(signal.SIGUSR1)
-
-
 STOP_GRACE_S = 1.5  # after a stop signal the driver ends this long later, whatever it is doing
 STOP_SAVE_S = 120.0  # ... or this long, when the ranks save a checkpoint first (checkpoint.every)
-_MONITOR_FAILED = threading.Event()
 ACTIVE: set = set()  # the Ranks of the runs under way in this process
 _STOPPING = threading.Event()
 _SAID = threading.Lock()
@@ -62,8 +48,8 @@ def say_interrupted(signum: int, saved: str | None = None) -> None:
 
 
 def install_signal_handlers() -> dict:
-    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread, and SIGUSR1
-    (the monitor's) :class:`RanksFailed`; returns the previous handlers. The first stop signal
+    """SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 raise :class:`Interrupted` in the main
+    thread; returns the previous handlers. The first stop signal
     also arms a watchdog: if the driver has not ended :data:`STOP_GRACE_S` later (a long native
     call that keeps the handler from running, a slow exit), it kills the ranks and ends the
     process itself. Later stop signals change nothing."""
@@ -79,16 +65,9 @@ def install_signal_handlers() -> dict:
         if not saving:
             raise Interrupted(signum)
 
-    def usr1(signum, frame):
-        if _MONITOR_FAILED.is_set():  # the monitor's own (see _interrupt_main)
-            _MONITOR_FAILED.clear()
-            raise RanksFailed()
-        interrupted(signum, frame)
-
     previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         previous[sig] = signal.signal(sig, interrupted)
-    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, usr1)
     return previous
 
 

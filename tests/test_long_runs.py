@@ -78,18 +78,23 @@ def test_killed_driver_then_auto_resume_gives_the_uninterrupted_curve(tmp_path, 
     (ck / "notes.txt").write_text("mine")  # the user's, beside the step folders: never touched
     (ck / "step-000001").mkdir()  # a step-like folder that ppsplit did not write
 
-    again = run_cli(*SERIES, f"checkpoint.dir={ck}", "checkpoint.load=auto", f"hydra.run.dir={tmp_path / 'b'}",
-                    cwd=tmp_path)
+    # Every step now, the newest kept: step 4, which this run loaded (and its unsplit reference
+    # reads again at the end), outlives step 5 until the final step stands.
+    again = run_cli(*SERIES, "checkpoint.every=1", "checkpoint.keep=1", f"checkpoint.dir={ck}", "checkpoint.load=auto",
+                    f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
+    assert "PASSED" in again.stdout
     assert f"checkpoint.load=auto: going on from {ck / 'step-000004'} (step 4 of steps=6)" in again.stdout
     assert losses(tmp_path / "b") == losses(uninterrupted / "run")  # all 6 rows, bit for bit
     report = json.loads((tmp_path / "b" / "report.json").read_text())
     assert report["run"]["resumed_from"]["step"] == 4 and report["run"]["steps"] == 2
-    assert sorted(os.listdir(ck)) == [LOCK, "latest", "notes.txt", "step-000001", "step-000004", "step-000006"]
+    assert [os.path.basename(p) for p in report["run"]["checkpoints"]] == ["step-000005", "step-000006"]
+    assert report["run"]["checkpoint"] == str(ck / "step-000006") and os.readlink(ck / "latest") == "step-000006"
+    assert sorted(os.listdir(ck)) == [LOCK, "latest", "notes.txt", "step-000001", "step-000006"]
     assert not any(n.startswith(".") and n != LOCK for n in os.listdir(ck))  # the killed run's staging is gone
 
-    done = run_cli(*SERIES, f"checkpoint.dir={ck}", "checkpoint.load=auto", f"hydra.run.dir={tmp_path / 'c'}",
-                   cwd=tmp_path)
+    done = run_cli(*SERIES, "checkpoint.keep=1", f"checkpoint.dir={ck}", "checkpoint.load=auto",
+                   f"hydra.run.dir={tmp_path / 'c'}", cwd=tmp_path)
     assert done.returncode == 0 and "nothing left to train" in done.stdout, done.stderr[-2000:]
     assert json.loads((tmp_path / "c" / "report.json").read_text())["nothing_left"]["step"] == 6
 
