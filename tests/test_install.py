@@ -12,18 +12,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
+def outer_site_packages() -> list[str]:
+    """The package folders of the environment that runs the tests: a virtual environment's (and
+    the base interpreter's, where it sees them) or the machine's own."""
+    return [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
-    """A new virtual environment with the built wheel. It sees the machine's packages (torch,
-    transformers: the pinned CPU build, no download) but not this checkout."""
+    """A new virtual environment with the built wheel. It sees the packages of the environment
+    that runs the tests (torch, transformers: the pinned CPU build, no download), after its own,
+    but not this checkout. ``--system-site-packages`` would give it the base interpreter's, which
+    inside a virtual environment lack them; the outer folders go on its path as plain lines of a
+    ``.pth`` file instead, so that their own ``.pth`` files (an editable install's, which points
+    at the checkout) are never run."""
     base = tmp_path_factory.mktemp("install")
     dist = base / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(dist), ROOT], check=True, capture_output=True)
     (wheel,) = dist.glob("ppsplit-*.whl")
     env_dir = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], check=True)
-    subprocess.run([str(env_dir / "bin" / "pip"), "install", "-q", "--no-deps", "--ignore-installed", str(wheel)], check=True,
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
+    python = str(env_dir / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(site, "outer_environment.pth"), "w") as f:
+        f.write("".join(p + "\n" for p in outer_site_packages()))
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)], check=True,
                    capture_output=True)
     return env_dir
 
@@ -41,6 +56,11 @@ def test_the_installed_package_is_the_wheel_with_its_configs(venv, tmp_path):
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     module, conf = proc.stdout.split()
     assert module.startswith(str(venv)) and conf.startswith(str(venv))
+    seen = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys, torch; print(torch.__file__); print(sys.path)"],
+                          cwd=tmp_path, capture_output=True, text=True, check=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
+    assert "site-packages" in seen.splitlines()[0]  # the testing environment's torch, not a download
+    assert f"'{ROOT}'" not in seen  # and never the checkout
     assert os.path.isfile(os.path.join(conf, "model", "llama.yaml"))
 
 
