@@ -32,7 +32,7 @@ def assert_matches_unsplit(run_section, steps=3):
     assert run_section["grad_max_abs_diff"] <= 1e-5, run_section["worst_grad"]
     for tie in run_section["ties"]:
         assert tie["copies_bitwise_equal"], tie
-        assert tie["max_abs_diff_vs_reference"] <= 1e-6, tie
+        assert tie["max_abs_diff_vs_reference"] <= 1e-5, tie  # the reference sums the whole batch in another order
 
 
 @pytest.mark.slow
