@@ -36,10 +36,27 @@ def check_run(spec: JobSpec) -> None:
             "(zero bubble), and under FSDP2 its weight gradients come out wrong in torch 2.13 (measured "
             "5e-2 to 9e-2 from the unsplit model); allowed: parallel.fsdp=false (replicated data parallel), "
             "or gpipe, 1f1b, interleaved_1f1b or looped_bfs")
+    check_local_gpus(spec.launcher.name, spec.world_size)
     debug = spec.debug
     if debug.crash_rank is not None and debug.crash_rank >= spec.world_size:
         raise PpsplitError(f"debug.crash_rank={debug.crash_rank}: allowed: 0 to {spec.world_size - 1} "
                            f"(this run has {spec.world_size} rank(s))")
+
+
+def check_local_gpus(launcher: str, ranks: int, visible: int | None = None) -> None:
+    """Local ranks on a machine with GPUs take one each (``cuda:{local_rank}``; NCCL refuses two
+    ranks on one GPU): more ranks than visible GPUs is refused. ``visible``: the count (default:
+    torch's)."""
+    if launcher != "local":
+        return
+    if visible is None:
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible and ranks > visible:
+        raise PpsplitError(f"launcher=local: this run needs {ranks} ranks, one GPU each, and {visible} GPU(s) are "
+                           "visible; allowed: at most that many ranks (stages x parallel.dp x parallel.tp), or "
+                           "launcher=slurm across nodes")
 
 
 def validate(spec: JobSpec):

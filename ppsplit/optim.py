@@ -82,20 +82,64 @@ def _squares(grad: torch.Tensor) -> torch.Tensor:
     return norm.float() ** 2
 
 
-def grad_norm(named_params, counted, pp_group=None, device=None) -> float:
-    """The global L2 norm of the gradients: each parameter whose FQN ``counted`` accepts (one
-    name of each tensor, and of each tied group on one pipeline rank only), summed over the
-    pipeline ranks in ``pp_group`` (a sharded tensor's own mesh is reduced by DTensor)."""
-    total = torch.zeros((), device=device)
+def grad_norm(named_params) -> float:
+    """The L2 norm of the gradients of ``named_params``, each tensor once, in this process (the
+    unsplit model, or the chained stages, which share its tensors). Ranks use :func:`step_sums`."""
+    total = torch.zeros(())
     seen = set()
-    for fqn, p in named_params:
-        if p.grad is None or id(p) in seen or not counted(fqn):
+    for _, p in named_params:
+        if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
         total = total + _squares(p.grad).to(total.device)
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
     return float(total.sqrt())
+
+
+def _share(grad: torch.Tensor, coords: dict[str, int]) -> tuple[torch.Tensor, bool] | None:
+    """This rank's part of ``grad`` and whether this rank counts it in a sum over every rank: a
+    shard always, a replica only at coordinate 0 of each mesh dimension it is replicated over (a
+    plain tensor is replicated over every one). None for a partial placement (its values sum
+    across ranks, its squares do not)."""
+    if not hasattr(grad, "to_local"):
+        return grad, not any(coords.values())
+    names = grad.device_mesh.mesh_dim_names or ()
+    counts = True
+    for dim, coord in coords.items():
+        if dim in names:
+            placement = grad.placements[names.index(dim)]
+            if placement.is_partial():
+                return None
+            counts = counts and (not placement.is_replicate() or coord == 0)  # _StridedShard too
+        else:
+            counts = counts and coord == 0
+    return grad.to_local(), counts
+
+
+def step_sums(named_params, coords: dict[str, int], flags: list[float], device=None) -> tuple[float, list[float]]:
+    """The global gradient norm and ``flags`` summed over every rank, in one all-reduce of a
+    few numbers, however deep the stages are: each rank adds the squares of the gradient
+    elements it counts (:func:`_share`; ``named_params`` holds each tied tensor on one stage
+    only), so every element of the model counts once. ``coords``: this rank's data- and
+    tensor-parallel coordinates (``{"dp": 0, "tp": 1}``). A non-finite gradient makes the norm
+    non-finite; only then is its FQN looked for."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    seen = set()
+    for _, p in named_params:
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        share = _share(p.grad, coords)
+        if share is None:  # its whole sum of squares, on every rank of its mesh: counted on one
+            squares, counts = _squares(p.grad), not any(coords.values())
+        else:
+            local, counts = share
+            squares = torch.linalg.vector_norm(local.float(), 2) ** 2
+        if counts:
+            total = total + squares.to(total)
+    summed = torch.cat([total.reshape(1), torch.tensor(flags, dtype=torch.float64, device=total.device)])
+    dist.all_reduce(summed)
+    values = summed.tolist()
+    return math.sqrt(values[0]), values[1:]
 
 
 @torch.no_grad()

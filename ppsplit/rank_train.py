@@ -5,6 +5,7 @@ the forward-only schedule, reporting each step to the driver and saving checkpoi
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from ppsplit import build
 from ppsplit.checkpoint_series import staging_path
 from ppsplit.debug import inject_crash, perturb_one_weight, repeat_first_microbatch
 from ppsplit.job_spec import JobSpec
-from ppsplit.stage_state import (average_grads, check_finite, first_non_finite, full_tensors, gathered_state,
+from ppsplit.stage_state import (average_grads, first_non_finite, full_tensors, gathered_state,
                                  local_bytes, median_after_first, peak_rss_bytes, separate_local_copies)
 from ppsplit.schedules import SCHEDULES, stages_of_rank
 from ppsplit.ties import TieSync
@@ -146,7 +147,7 @@ def make_schedules(spec: JobSpec, r: RankStages, device, loss_fn, recorder=None)
 def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch.device, channel) -> dict:
     from ppsplit import checkpoint as ckpt
     from ppsplit.data import BatchSource
-    from ppsplit.optim import grad_norm, make_lr_schedule, make_optimizer
+    from ppsplit.optim import make_lr_schedule, make_optimizer, step_sums
 
     m, plan = spec.model, spec.plan
 
@@ -175,7 +176,6 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         start_step = ckpt.load(launch["load_dir"], modules, optimizers, split.tie_groups)
     lr_schedules = [make_lr_schedule(o, spec.train, start_step + spec.steps, start_step) for o in optimizers.values()]
     replicas = r.mesh["dp"].get_group() if r.mesh is not None and layout.dp > 1 and not layout.fsdp else None
-    pp_group = r.mesh["pp"].get_group() if r.mesh is not None else dist.group.WORLD
     debug = spec.debug
     tied_keys = {k for g in split.tie_groups for k in g}
     if debug.defect == "perturbed_weight" and 0 in mine:
@@ -226,18 +226,27 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         if debug.defect != "unsynced_tie":
             ties.sum_grads()
 
-    def all_finite(bad) -> bool:
-        return check_finite(0, bad, modules, device) is None
+    series = launch.get("series")  # checkpoint.every: a step folder each N steps
+    agreed = {"norm": 0.0, "bad_loss": False, "stop": False}
 
-    stepper = Stepper(batches_of, lambda b: objective.count(b.labels),
-                      forward_backward, sync, lambda: grad_norm(norm_params, lambda _k: True, pp_group, device),
+    def norm() -> float:
+        """The step's one collective beyond the layout's own: the gradient norm, whether any
+        rank's loss is not finite, and whether any rank was asked to stop (checkpoint.every)."""
+        loss = stepper.last_loss
+        flags = [float(loss is not None and not math.isfinite(loss)),
+                 float(series is not None and channel.stop_requested.is_set())]
+        agreed["norm"], (bad_loss, stop) = step_sums(norm_params, {"dp": dp_rank, "tp": r.coords[2]}, flags, device)
+        agreed["bad_loss"], agreed["stop"] = bad_loss > 0, stop > 0
+        return agreed["norm"]
+
+    stepper = Stepper(batches_of, lambda b: objective.count(b.labels), forward_backward, sync, norm,
                       [p for i in mine for p in modules[i].parameters()], list(optimizers.values()), lr_schedules,
-                      spec.train.clip_grad_norm, finite=all_finite,
+                      spec.train.clip_grad_norm,
+                      finite=lambda _bad: math.isfinite(agreed["norm"]) and not agreed["bad_loss"],
                       grads_of=None if spec.verify.mode == "off" else lambda: full_tensors(((k, p.grad) for i in mine
                                                      for k, p in modules[i].named_parameters(remove_duplicate=False)
                                                      if p.grad is not None), r.keeper))
     stats, diverged, val, saved, stopped = [], None, [], [], None
-    series = launch.get("series")  # checkpoint.every: a step folder each N steps
 
     def save_step(at: int) -> None:
         channel.report("saving the checkpoint", at)
@@ -252,10 +261,8 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
             masks.start_step(start_step + k)
         if debug.crash_rank == rank and debug.crash_step == k:
             inject_crash(debug.crash_mode, rank, k)
-        if series is None:
-            dist.barrier()
-        elif _agree_to_stop(channel, device):  # a stop signal: save where training stands, and end
-            if k > 0 and start_step + k not in saved:
+        if agreed["stop"]:  # a stop signal, agreed in the last step's sums: save where training stands, and end
+            if start_step + k not in saved:
                 save_step(start_step + k)
             stopped = start_step + k
             break
@@ -309,14 +316,6 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
         "digests": digests,
         "tie_comm_groups": ties.comm_groups(), "pid": os.getpid(), "host": os.uname().nodename,
     }
-
-
-def _agree_to_stop(channel, device) -> bool:
-    """Whether any rank was asked to stop: every rank leaves at the same step boundary (this
-    takes the place of the step's barrier)."""
-    flag = torch.tensor([1 if channel.stop_requested.is_set() else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 @torch.no_grad()

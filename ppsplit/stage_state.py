@@ -1,11 +1,9 @@
 """The tensors of a rank's stages: whole tensors gathered from shards, the bytes a rank holds,
-replicas' gradients averaged, the finite check every rank agrees on, a tie's copies separated
-between stages of one rank, and digests."""
+replicas' gradients averaged, a tie's copies separated between stages of one rank, and digests."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 import statistics
 
 import torch
@@ -54,16 +52,40 @@ def local_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+BUCKET_BYTES = 25 << 20  # replicas' gradients are averaged this many bytes at a time (DDP's default)
+
+
 @torch.no_grad()
-def average_grads(modules: dict, group, size: int) -> None:
+def average_grads(modules: dict, group, size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Replicated data parallelism (``parallel.fsdp=false``): each gradient becomes the mean over
-    the data-parallel ranks."""
-    for module in modules.values():
-        for p in module.parameters():
-            if p.grad is not None:
-                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(local, group=group)
-                local.div_(size)
+    the data-parallel ranks, in buckets of up to ``bucket_bytes`` (the gradients of one dtype
+    and device copied into one flat tensor, all-reduced once, copied back), as DDP does: a few
+    all-reduces a step however many tensors the stages hold."""
+    for bucket in _buckets([p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                            for module in modules.values() for p in module.parameters() if p.grad is not None],
+                           bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of gradients of one dtype and device, each up to ``bucket_bytes`` (a
+    larger gradient alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not out or (g.dtype, g.device) != (out[-1][0].dtype, out[-1][0].device) or size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
 
 
 def first_non_finite(named_params) -> str | None:
@@ -76,18 +98,6 @@ def first_non_finite(named_params) -> str | None:
         if not bool(torch.isfinite(local).all()):
             return key
     return None
-
-
-def check_finite(step: int, loss: float | None, modules: dict, device) -> dict | None:
-    """Whether any rank saw a non-finite loss or gradient this step (one small all-reduce, so
-    every rank stops at the same step); what this rank saw, or None when all is finite."""
-    bad_loss = loss is not None and not math.isfinite(loss)
-    bad_grad = first_non_finite((k, p) for st in modules.values() for k, p in st.named_parameters())
-    flag = torch.tensor([float(bad_loss), float(bad_grad is not None)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not bool(flag.any()):
-        return None
-    return {"step": step, "loss": loss, "non_finite_loss": bad_loss, "non_finite_grad": bad_grad}
 
 
 def separate_local_copies(modules: dict[int, torch.nn.Module]) -> None:

@@ -213,7 +213,7 @@ def train_in_process(forward, modules, source, spec, microbatches: int | None, l
         return total
 
     stepper = Stepper(batches, lambda b: loss_fn.count(b.labels), forward_backward, after_backward or (lambda: None),
-                      lambda: grad_norm(named, lambda _k: True), [p for _, p in named], [optimizer], [schedule],
+                      lambda: grad_norm(named), [p for _, p in named], [optimizer], [schedule],
                       train.clip_grad_norm,
                       grads_of=lambda: [{k: p.grad.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)
                                          if p.grad is not None} for m in modules])

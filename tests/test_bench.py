@@ -189,3 +189,20 @@ def test_pipeline_bubbles(tmp_path):
         assert p["ok"], p
         assert 0 <= p["bubble"] <= 1 and 0 < p["efficiency"] <= 1
         assert p["bubble_theory"] == pytest.approx(1 / 5)  # 1F1B, 2 ranks, 4 microbatches: (p-1)/(m+p-1)
+
+
+@pytest.mark.slow
+def test_step_overheads(tmp_path):
+    """What ppsplit adds per step at pp2 x dp2 (FSDP2, clipping) does not grow with depth: one
+    all-reduce (the gradient norm with the loss and stop flags), no DTensor collective; FSDP's
+    own gathers and scatters do grow."""
+    from bench import step_overheads
+
+    data = step_overheads.main(quick=True, out_dir=str(tmp_path))
+    assert json.loads((tmp_path / "step_overheads.json").read_text())["depths"] == [2, 4]
+    shallow, deep = (data["results"]["fsdp2"][str(d)] for d in data["depths"])
+    assert shallow["ok"] and deep["ok"], (shallow, deep)
+    assert shallow["kinds"]["ours"] == deep["kinds"]["ours"] == 1
+    assert shallow["kinds"]["dtensor"] == deep["kinds"]["dtensor"] == 0
+    assert deep["kinds"]["fsdp"] > shallow["kinds"]["fsdp"] > 0
+    assert deep["kinds"]["sync"] == shallow["kinds"]["sync"]

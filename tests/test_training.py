@@ -203,3 +203,44 @@ def test_a_resumed_run_continues_the_stream_at_the_next_sample(tmp_path, toy):
     whole = report(tmp_path / "whole")["run"]["losses"]
     parts = report(tmp_path / "first")["run"]["losses"] + report(tmp_path / "second")["run"]["losses"]
     assert parts == whole  # bitwise: the same samples, the same steps
+
+
+def test_each_gradient_element_counts_once_in_the_norm_whatever_its_placement():
+    """optim._share: a shard counts on its rank, a replica at coordinate 0 of each dimension it
+    is replicated over (a plain tensor is replicated over all), FSDP's strided shard as a shard;
+    a partial placement is not summed by squares."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ppsplit.optim import _share
+
+    class Sharded:  # a DTensor's interface, as _share reads it
+        def __init__(self, names, placements):
+            self.device_mesh = type("Mesh", (), {"mesh_dim_names": names})()
+            self.placements = placements
+
+        def to_local(self):
+            return torch.ones(2)
+
+    fsdp_tp = Sharded(("dp", "tp"), (_StridedShard(0, split_factor=2), Shard(0)))
+    norm_under_fsdp = Sharded(("dp",), (Shard(0),))
+    tp_only = Sharded(("tp",), (Replicate(),))
+    for dp in (0, 1):
+        for tp in (0, 1):
+            at = {"dp": dp, "tp": tp}
+            assert _share(fsdp_tp, at)[1]  # sharded over both: every rank counts its part
+            assert _share(norm_under_fsdp, at)[1] == (tp == 0)  # replicated over tp
+            assert _share(tp_only, at)[1] == (dp == 0 and tp == 0)
+            assert _share(torch.ones(2), at)[1] == (dp == 0 and tp == 0)
+    assert _share(Sharded(("tp",), (Partial(),)), {"dp": 0, "tp": 0}) is None
+
+
+def test_more_local_ranks_than_visible_gpus_is_refused_in_one_line():
+    from ppsplit import PpsplitError
+    from ppsplit.job_checks import check_local_gpus
+
+    check_local_gpus("local", 4, visible=0)  # CPU ranks: as many as asked
+    check_local_gpus("local", 2, visible=2)
+    check_local_gpus("slurm", 8, visible=1)  # SLURM places ranks on nodes (launcher.gpus_per_task)
+    with pytest.raises(PpsplitError, match="this run needs 4 ranks, one GPU each, and 2 GPU.s. are visible"):
+        check_local_gpus("local", 4, visible=2)
