@@ -1,8 +1,8 @@
 """Reading a checkpoint that may come from anyone, with nothing in it run.
 
 Checkpoints move between people and clusters, and DCP reads them with pickle: ``.metadata``
-with a plain ``pickle.load``, and each non-tensor entry (the optimizer's ``param_groups``) with
-``torch.load(weights_only=False)``. Either runs whatever a crafted file names. Here ``.metadata``
+with the plain unpickler, and each non-tensor entry (the optimizer's ``param_groups``) with
+``torch.load`` allowed to unpickle anything. Either runs whatever a crafted file names. Here ``.metadata``
 goes through an unpickler that resolves only the names a real one holds (DCP's metadata classes,
 ``torch.Size``, dtypes, the layout helper, ``pathlib`` paths), and the entries through torch's
 weights-only unpickler. Anything else is refused in one line, before it is called.
