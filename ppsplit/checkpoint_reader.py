@@ -90,8 +90,8 @@ class SafePlanner(DefaultLoadPlanner):
             raise UnsafeCheckpoint(f"checkpoint entry {read_item.dest_index.fqn!r} holds more than plain values "
                                    f"({str(err).splitlines()[0][:160]}); nothing of it was run") from None
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
+            from ppsplit.torch_private import set_nested
 
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            set_nested(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded

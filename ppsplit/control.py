@@ -55,6 +55,8 @@ class DriverChannel:
         self.store = _store(host, self.port, master_fd=self._socket.fileno())
         # Whatever reaches the port from outside is the store's business: it drops a malformed
         # message, and its warning (a stack of C++ frames) stays off the user's console.
+        from ppsplit.torch_private import native_log_level
+
         self._warnings_were = native_log_level(ERROR_LEVEL)
 
     def _key(self, kind: str, rank: int | None = None) -> str:
@@ -100,27 +102,13 @@ class DriverChannel:
             pass
         self.store = None
         if self._warnings_were is not None:
+            from ppsplit.torch_private import native_log_level
+
             native_log_level(self._warnings_were)
             self._warnings_were = None
 
 
 ERROR_LEVEL = 2  # c10's log levels: 0 info, 1 warning, 2 error
-
-
-def native_log_level(level: int) -> int | None:
-    """Set the level below which torch's C++ code (c10's ``LOG``) stays silent in this process;
-    returns the previous one (None where this torch build does not export it)."""
-    import ctypes
-
-    import torch
-
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-        flag = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
-    except (OSError, ValueError):
-        return None
-    previous, flag.value = flag.value, level
-    return previous
 
 
 class RankChannel:

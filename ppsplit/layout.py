@@ -273,10 +273,10 @@ def reshard_every_microbatch(pipe_stage) -> None:
     (parameters and gradients), whatever ``dp``. Here every microbatch's backward runs with
     FSDP's own settings for a last backward, and the stage's end-of-backward (the same call the
     schedule makes after the last one) follows it; the sharded gradients accumulate over the
-    microbatches, and the schedule's own last call scales them as before. Only a full backward
+    microbatches (each microbatch's loss is weighted already: the schedule scales nothing after). Only a full backward
     is changed (FSDP is refused under the zero-bubble schedules, which split it)."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.pipelining._backward import stage_backward
+    from ppsplit.torch_private import stage_backward
 
     module = pipe_stage.submod
     if not isinstance(module, FSDPModule):

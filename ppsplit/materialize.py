@@ -126,11 +126,11 @@ def _allocate(stage: torch.nn.Module, device) -> None:
     (a DTensor keeps its placements), one new tensor per tensor however many names it has. FSDP2
     then takes the new parameters as its shards."""
     _replace(stage, {id(t) for _, t in _named_tensors(stage) if t.is_meta}, device)
+    from ppsplit.torch_private import fsdp_params
+
     for sub in stage.modules():
-        state = sub._get_fsdp_state() if hasattr(sub, "_get_fsdp_state") else None
-        for group in getattr(state, "_fsdp_param_groups", None) or ():
-            for param in group.fsdp_params:
-                param.reset_sharded_param()  # FSDP2's padded shard storage follows the new parameter
+        for param in fsdp_params(sub):
+            param.reset_sharded_param()  # FSDP2's padded shard storage follows the new parameter
 
 
 def _groups(by_fqn: dict, blocks: list[str]) -> list[list[str]]:
@@ -160,13 +160,14 @@ def shard_slices(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     """The index of this rank's part of a DTensor in the whole tensor, when it is one block
     (placements Shard or Replicate only); None for a plain tensor (all of it) or a strided shard."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from ppsplit.torch_private import local_shape_and_offset
 
     if not isinstance(tensor, DTensor):
         return None
     if not all(type(p) in (Shard, Replicate) for p in tensor.placements):
         return None
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    shape, offset = local_shape_and_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 

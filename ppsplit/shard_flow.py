@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from ppsplit.errors import PpsplitError
+from ppsplit.torch_private import OpOverload
 
 aten = torch.ops.aten
 
@@ -152,7 +153,7 @@ class ShardFlow:
             return src[node.args[1]] if isinstance(src, (tuple, list)) else src
         if all(_flat_none(s) for s in shards.values()):
             return None  # nothing sharded flows in: nothing to follow
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, OpOverload):
             self._refuse(where, node, "an unknown call")
         first = node.args[0] if isinstance(node.args[0], fx.Node) else None
         op = _Op(where, node, shards.get(first) if first is not None else None,

@@ -25,6 +25,8 @@ import operator
 import torch
 from torch import fx
 
+from ppsplit.torch_private import UNSAFE_VIEW, OpOverload, any_autocast, tracing_or_mode_active
+
 _FLAG = "_run_with_interpreter"
 _METADATA_ASSERTS = tuple(op for op in (getattr(torch.ops.aten, "_assert_tensor_metadata", None),)
                           if op is not None)
@@ -71,15 +73,13 @@ def drop_dtype_checks(module: torch.nn.Module) -> int:
     return removed
 
 
-# Fake tensors, functionalization, make_fx's proxies: a tracer that must see the region's ops.
-_INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 
 
 def _run_state() -> tuple:
     """The global settings an op's result may depend on without reading them as inputs."""
     autocast = None
-    if torch._C._is_any_autocast_enabled():
+    if any_autocast():
         autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                          for d in _AUTOCAST_DEVICES)
     return torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), autocast
@@ -108,11 +108,7 @@ class CachedConstants:
         self._memo = None  # (inputs, their stamps, run state, outputs, their stamps)
 
     def __call__(self, *inputs):
-        if (fx._symbolic_trace.is_fx_symbolic_tracing()
-                or torch._C._is_torch_function_mode_enabled()
-                or any(torch._C._get_dispatch_mode(key) is not None for key in _INFRA_MODES)
-                or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
-                or any(t.requires_grad or t.is_inference() for t in inputs)):
+        if tracing_or_mode_active() or any(t.requires_grad or t.is_inference() for t in inputs):
             return self.region(*inputs)
         state = _run_state()
         memo = self._memo
@@ -133,7 +129,7 @@ class CachedConstants:
 def _deterministic_op(target) -> bool:
     if target is operator.getitem:
         return True
-    return (isinstance(target, torch._ops.OpOverload)
+    return (isinstance(target, OpOverload)
             and torch.Tag.nondeterministic_seeded not in target.tags)
 
 
@@ -143,7 +139,7 @@ def _written_args(node: fx.Node) -> list[fx.Node]:
     target = node.target
     if target is operator.getitem or isinstance(target, CachedConstants):
         return []
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return list(node.all_input_nodes)
     written = []
     for i, arg in enumerate(target._schema.arguments):
@@ -158,8 +154,8 @@ def _may_alias(node: fx.Node) -> bool:
     target = node.target
     if isinstance(target, CachedConstants):
         return False
-    if isinstance(target, torch._ops.OpOverload):
-        return (target is torch.ops.aten._unsafe_view.default  # shares storage, not version
+    if isinstance(target, OpOverload):
+        return (target is UNSAFE_VIEW  # shares storage, not version
                 or any(r.alias_info is not None for r in target._schema.returns))
     return True  # getitem, submodules, anything else
 

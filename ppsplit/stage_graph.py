@@ -33,7 +33,7 @@ from torch.export.graph_signature import (
     OutputSpec,
     TensorArgument,
 )
-from torch.utils import _pytree as pytree
+from ppsplit.torch_private import pytree
 
 from ppsplit.errors import PpsplitError
 from ppsplit.stage_code import adopt_tensors, same_kind, use_generated_code

@@ -138,11 +138,15 @@ class _SavedBytes:
 def _time_p2p_waits() -> None:
     """Wrap the schedules' ``_batch_p2p`` (tag each work as a send or a receive) and
     ``_wait_batch_p2p`` (time the wait), once per process; both delegate to torch's own."""
-    from torch.distributed.pipelining import schedules
+    import importlib
 
-    if getattr(schedules._wait_batch_p2p, "ppsplit_timed", False):
+    from ppsplit.torch_private import P2P_FUNCTIONS
+
+    module, post_name, wait_name = P2P_FUNCTIONS
+    schedules = importlib.import_module(module)
+    if getattr(getattr(schedules, wait_name), "ppsplit_timed", False):
         return
-    post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+    post, wait = getattr(schedules, post_name), getattr(schedules, wait_name)
 
     def tagged(p2p_ops, *args, **kwargs):
         works = post(p2p_ops, *args, **kwargs)
@@ -167,7 +171,8 @@ def _time_p2p_waits() -> None:
             rec.waits.append((kind, rec.step, start, time.time()))
 
     timed.ppsplit_timed, timed.original = True, wait
-    schedules._batch_p2p, schedules._wait_batch_p2p = tagged, timed
+    setattr(schedules, post_name, tagged)
+    setattr(schedules, wait_name, timed)
 
 
 def median_step(timelines: list[dict]) -> int | None:

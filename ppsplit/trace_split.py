@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 from torch.export import ExportedProgram
-from torch.utils import _pytree as pytree
+from ppsplit.torch_private import pytree
 
 from ppsplit.errors import PpsplitError
 from ppsplit.split_points import (MARKER, even_points, find_blocks, markers, module_run_order, point_positions,

@@ -230,8 +230,10 @@ def items_of(items, kind):
 
 
 def _output_items(k: int, a, b) -> list[tuple]:
-    la = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
-    lb = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
+    from ppsplit.torch_private import pytree
+
+    la = [t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    lb = [t for t in pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
     if len(la) != len(lb):
         return [(f"microbatch {k} outputs", "output", math.inf, math.nan)]
     out = []
