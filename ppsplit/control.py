@@ -122,6 +122,7 @@ class RankChannel:
         self.saved: list[int] = []  # the periodic checkpoints written whole, by step
         self.stop_requested = threading.Event()  # the driver asks for a checkpoint and the end
         self.recorded = 0  # the steps whose metrics the driver has (see DriverChannel.recorded)
+        self.peak_flops: float | None = None  # this rank's matmul FLOP/s on its device, once measured
         self._main = threading.main_thread()
         self._stop = threading.Event()
         self.store = _store(host, port, timeout_s=timeout_s)  # the main thread's: rendezvous, errors, done
@@ -183,7 +184,8 @@ class RankChannel:
         self._beats += 1
         return json.dumps({"beat": self._beats, "progress": self.progress, "phase": self.phase, "step": self.step,
                            "completed": self.completed, "recent": dict(self.recent), "saved": self.saved,
-                           "where": where, "waiting": waiting, "pid": os.getpid(), "host": socket.gethostname()})
+                           "where": where, "waiting": waiting, "pid": os.getpid(), "host": socket.gethostname(),
+                           "peak": self.peak_flops})
 
     def _publish(self) -> None:
         self._beat_store.set(self._key("beat", self.rank), self._beat())

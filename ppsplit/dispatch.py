@@ -361,7 +361,9 @@ class Ranks:
             return {"loss": None}
         losses = [s["loss"] for s in seen if s.get("loss") is not None]
         vals = [s["val_loss"] for s in seen if s.get("val_loss") is not None]
+        peaks = [self._beats.get(r, {}).get("peak") for r in range(self.world)]
         return {"loss": sum(losses) / len(losses) if losses else None, "lr": seen[0].get("lr"),
+                "peak_flops": sum(peaks) if all(peaks) else None,
                 "grad_norm": seen[0].get("grad_norm"), "time_s": max(s.get("time_s") or 0.0 for s in seen),
                 "val_loss": sum(vals) / len(vals) if vals else None}
 

@@ -6,9 +6,11 @@ signal had moved the run to a new job by then, under ``launcher.requeue``), the 
 
 Tokens/s counts the global batch's tokens (``batch_size x seq_len x grad_accumulation``) over the
 step's time on its slowest rank. MFU is the step's model FLOPs (forward and backward, from
-:mod:`ppsplit.plan`) over that time and the peak of every rank, the peak measured once at the
-start by a float32 matmul at the ranks' thread count (on CPU that is the machine's own speed for
-this kind of work, not a datasheet figure).
+:mod:`ppsplit.plan`) over that time and the sum of every rank's peak. Each rank measures its own
+peak once before it trains, on the device it computes on and in the dtype it trains in
+(bfloat16 under ``train.precision=bf16``, else float32): a short matmul on its GPU, or on its
+host's CPU at its thread count (the machine's own speed for this kind of work, not a datasheet
+figure); an inline run measures the driver's, where it computes.
 """
 
 from __future__ import annotations
@@ -22,19 +24,27 @@ import time
 COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_ppl", "restart")
 
 
-def matmul_peak(threads: int = 1, size: int = 256, seconds: float = 0.1) -> float:
-    """FLOP/s of a float32 matmul at ``threads`` torch threads."""
+def matmul_peak(threads: int = 1, size: int = 256, seconds: float = 0.1, device=None, dtype=None) -> float:
+    """FLOP/s of a square matmul on ``device`` (default: the CPU, at ``threads`` torch threads)
+    in ``dtype`` (default float32); on a GPU at 4096, synchronised before the clock is read."""
     import torch
 
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    size = 4096 if cuda and size == 256 else size
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(size, size)
+        a = torch.randn(size, size, device=device, dtype=dtype or torch.float32)
         torch.mm(a, a)
+        if cuda:
+            torch.cuda.synchronize(device)
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             torch.mm(a, a)
             count += 1
+            if cuda:
+                torch.cuda.synchronize(device)
         return 2 * size ** 3 * count / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(saved)
@@ -49,7 +59,7 @@ class MetricsLog:
                  first_step: int = 0, prior: list[dict] | None = None, restart: int = 0):
         self.run_dir, self.spec = run_dir, spec
         self.prior = [r for r in prior or () if r["step"] <= first_step]
-        self.flops, self.peak, self.ranks = flops_per_step, peak_flops, ranks
+        self.flops, self.peak, self.ranks = flops_per_step, peak_flops, ranks  # the peak per rank (None: the ranks say)
         self.first_step, self.restart = first_step, restart
         self.rows: list[dict] = []
         self._waiting: dict[int, dict] = {}
@@ -76,10 +86,13 @@ class MetricsLog:
     def tokens(self, step: int) -> int:
         return self.spec.batch_size * self.spec.seq_len_at(step) * self.spec.train.grad_accumulation
 
-    def record(self, k: int, loss, lr, grad_norm, time_s, val_loss=None) -> None:
-        """Step ``k`` of this run (from 0) measured; written once every step before it is."""
+    def record(self, k: int, loss, lr, grad_norm, time_s, val_loss=None, peak_flops=None) -> None:
+        """Step ``k`` of this run (from 0) measured; written once every step before it is.
+        ``peak_flops``: the sum of the ranks' own peaks, as they measured them."""
         step = self.first_step + k + 1  # steps done, as the progress line counts them
         tokens_per_s = self.tokens(step - 1) / time_s if time_s else None
+        if peak_flops:
+            self.peak = peak_flops / self.ranks
         mfu = (self.flops / (time_s * self.ranks * self.peak) if time_s and self.peak and self.flops else None)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                "mfu": mfu, "time_s": time_s, "val_loss": val_loss,

@@ -313,7 +313,7 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
                                        for v in st.values() if isinstance(v, torch.Tensor)),
         "rss_growth_bytes": r.rss_growth, "peak_rss_bytes": peak_rss_bytes(),
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "digests": digests,
+        "digests": digests, "peak_flops": channel.peak_flops,
         "tie_comm_groups": ties.comm_groups(), "pid": os.getpid(), "host": os.uname().nodename,
     }
 

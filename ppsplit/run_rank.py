@@ -79,6 +79,11 @@ def run(spec: JobSpec, launch: dict, rank: int, world: int, local_rank: int, cha
     device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    from ppsplit.metrics import matmul_peak
+
+    channel.report("measuring the device")
+    channel.peak_flops = matmul_peak(spec.launcher.cpus_per_task, device=device,
+                                     dtype=torch.bfloat16 if spec.train.precision == "bf16" else torch.float32)
     channel.report("rendezvous")
     # The driver names a stalled rank after timeout_s; the collectives' own timeout is only the
     # backstop, so it is longer.

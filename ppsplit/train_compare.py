@@ -153,8 +153,9 @@ def _from_ranks(spec, split, results) -> dict:
     for entries in zip(*[r["val_losses"] for r in on_last]):
         vals.append({"step": entries[0]["step"], "loss": sum(e["loss"] for e in entries) / len(entries)})
     times = [r["step_time_s"] for r in results if r["step_time_s"] is not None]
+    peaks = [r.get("peak_flops") for r in results]
     return {
-        "losses": losses, "val_losses": vals,
+        "losses": losses, "val_losses": vals, "peak_flops": sum(peaks) if all(peaks) else None,
         "grad_norms": results[0]["grad_norms"], "lrs": results[0]["lrs"],
         "first_grads": [r["first_grads"] for r in keepers],
         "states": [st for r in keepers for st in r["state"].values()],
@@ -173,7 +174,8 @@ def _from_ranks(spec, split, results) -> dict:
 
 def _rows(mine: dict) -> list[dict]:
     val = {v["step"]: v["loss"] for v in mine["val_losses"]}
-    return [{"loss": loss, "lr": lr, "grad_norm": norm, "time_s": t, "val_loss": val.get(k + 1)}
+    return [{"loss": loss, "lr": lr, "grad_norm": norm, "time_s": t, "val_loss": val.get(k + 1),
+             "peak_flops": mine.get("peak_flops")}
             for k, (loss, lr, norm, t) in enumerate(zip(mine["losses"], mine["lrs"], mine["grad_norms"],
                                                          mine["step_times_s"]))]
 

@@ -206,3 +206,17 @@ def test_step_overheads(tmp_path):
     assert shallow["kinds"]["dtensor"] == deep["kinds"]["dtensor"] == 0
     assert deep["kinds"]["fsdp"] > shallow["kinds"]["fsdp"] > 0
     assert deep["kinds"]["sync"] == shallow["kinds"]["sync"]
+
+
+def test_gpu_check_skips_cleanly_without_a_gpu(tmp_path):
+    import torch
+
+    from bench import gpu_check
+
+    if torch.cuda.is_available():  # where a GPU is at hand the check runs for real
+        data = gpu_check.main(quick=True, out_dir=str(tmp_path))
+        assert not data["skipped"] and data["numerics_fp32"]["ok"] and data["materialised"]["ok"], data
+        return
+    data = gpu_check.main(quick=True, out_dir=str(tmp_path))
+    assert data == {"quick": True, "skipped": True}
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"] is True

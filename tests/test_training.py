@@ -244,3 +244,17 @@ def test_more_local_ranks_than_visible_gpus_is_refused_in_one_line():
     check_local_gpus("slurm", 8, visible=1)  # SLURM places ranks on nodes (launcher.gpus_per_task)
     with pytest.raises(PpsplitError, match="this run needs 4 ranks, one GPU each, and 2 GPU.s. are visible"):
         check_local_gpus("local", 4, visible=2)
+
+
+def test_mfu_divides_by_the_peaks_the_ranks_measured_on_their_devices(tmp_path):
+    import torch
+
+    from ppsplit.job_spec import from_config
+    from ppsplit.metrics import MetricsLog, matmul_peak
+
+    spec = from_config(compose_cfg("metrics.csv=false", "metrics.plot=false"))
+    log = MetricsLog(str(tmp_path), spec, flops_per_step=1e9, peak_flops=None, ranks=2)
+    log.record(0, 1.0, 0.1, 1.0, time_s=1.0)  # no rank has said its peak yet: no MFU
+    log.record(1, 1.0, 0.1, 1.0, time_s=1.0, peak_flops=4e9)  # two ranks, 2e9 FLOP/s each
+    assert [r["mfu"] for r in log.rows] == [None, 0.25] and log.summary()["peak_flops_per_rank"] == 2e9
+    assert matmul_peak(1, size=64, seconds=0.01, dtype=torch.bfloat16) > 0  # a rank training in bf16
