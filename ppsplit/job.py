@@ -339,15 +339,9 @@ def _metrics_log(spec: JobSpec, output_dir: str, costs: dict, resume, restart: i
 
         prior = read_rows(os.path.join(resume["checkpoint"], "metrics.csv"))
     # Ranks measure their own peaks (their device, their dtype); an inline run computes here.
-    peak = None if spec.distributed else matmul_peak(spec.launcher.cpus_per_task, dtype=_trained_dtype(spec))
+    peak = None if spec.distributed else matmul_peak(spec.launcher.cpus_per_task, precision=spec.train.precision)
     return MetricsLog(output_dir, spec, flops, peak, ranks,
                       first_step=resume["step"] if resume else 0, prior=prior, restart=restart)
-
-
-def _trained_dtype(spec: JobSpec):
-    import torch
-
-    return torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
 
 
 def _json_config(config) -> dict:

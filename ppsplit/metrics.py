@@ -24,18 +24,21 @@ import time
 COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_s", "val_loss", "val_ppl", "restart")
 
 
-def matmul_peak(threads: int = 1, size: int = 256, seconds: float = 0.1, device=None, dtype=None) -> float:
+def matmul_peak(threads: int = 1, size: int | None = None, seconds: float = 0.1, device=None,
+                precision: str = "fp32") -> float:
     """FLOP/s of a square matmul on ``device`` (default: the CPU, at ``threads`` torch threads)
-    in ``dtype`` (default float32); on a GPU at 4096, synchronised before the clock is read."""
+    in the dtype ``precision`` trains in (``train.precision``: bf16 or fp32); ``size`` by default
+    256 on a CPU, 4096 on a GPU, which is synchronised before the clock is read."""
     import torch
 
     device = torch.device(device or "cpu")
     cuda = device.type == "cuda"
-    size = 4096 if cuda and size == 256 else size
+    size = size or (4096 if cuda else 256)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(size, size, device=device, dtype=dtype or torch.float32)
+        a = torch.randn(size, size, device=device, dtype=dtype)
         torch.mm(a, a)
         if cuda:
             torch.cuda.synchronize(device)

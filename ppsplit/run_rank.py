@@ -82,8 +82,7 @@ def run(spec: JobSpec, launch: dict, rank: int, world: int, local_rank: int, cha
     from ppsplit.metrics import matmul_peak
 
     channel.report("measuring the device")
-    channel.peak_flops = matmul_peak(spec.launcher.cpus_per_task, device=device,
-                                     dtype=torch.bfloat16 if spec.train.precision == "bf16" else torch.float32)
+    channel.peak_flops = matmul_peak(spec.launcher.cpus_per_task, device=device, precision=spec.train.precision)
     channel.report("rendezvous")
     # The driver names a stalled rank after timeout_s; the collectives' own timeout is only the
     # backstop, so it is longer.

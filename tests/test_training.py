@@ -247,8 +247,6 @@ def test_more_local_ranks_than_visible_gpus_is_refused_in_one_line():
 
 
 def test_mfu_divides_by_the_peaks_the_ranks_measured_on_their_devices(tmp_path):
-    import torch
-
     from ppsplit.job_spec import from_config
     from ppsplit.metrics import MetricsLog, matmul_peak
 
@@ -257,4 +255,4 @@ def test_mfu_divides_by_the_peaks_the_ranks_measured_on_their_devices(tmp_path):
     log.record(0, 1.0, 0.1, 1.0, time_s=1.0)  # no rank has said its peak yet: no MFU
     log.record(1, 1.0, 0.1, 1.0, time_s=1.0, peak_flops=4e9)  # two ranks, 2e9 FLOP/s each
     assert [r["mfu"] for r in log.rows] == [None, 0.25] and log.summary()["peak_flops_per_rank"] == 2e9
-    assert matmul_peak(1, size=64, seconds=0.01, dtype=torch.bfloat16) > 0  # a rank training in bf16
+    assert matmul_peak(1, size=64, seconds=0.01, precision="bf16") > 0  # a rank training in bf16
