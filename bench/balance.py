@@ -16,9 +16,10 @@ import time
 import torch
 
 from bench import harness
-from ppsplit import build, plan
-from ppsplit.split_points import find_blocks, module_run_order, unit_starts
-from ppsplit.trace_split import export
+from ppsplit.models import build
+from ppsplit.stages import plan
+from ppsplit.stages.points import find_blocks, module_run_order, unit_starts
+from ppsplit.stages.trace import export
 
 SHAPES = {
     "gpt2-124M": ("GPT2LMHeadModel", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, bos_token_id=0, eos_token_id=0,

@@ -4,9 +4,9 @@ One process, one torch thread, the unsplit model with AdamW (its state: paramete
 moments). Interleaved samples of:
 
 - ``step``: one training step (forward, backward, optimizer), the thing a checkpoint interrupts;
-- ``save``: :func:`ppsplit.checkpoint.save` of the model and optimizer state (what each rank
+- ``save``: :func:`ppsplit.checkpoint.dcp.save` of the model and optimizer state (what each rank
   runs for its stages), into a fresh folder;
-- ``seal``: the driver's part, :func:`ppsplit.checkpoint_folder.seal` (the manifest's SHA-256
+- ``seal``: the driver's part, :func:`ppsplit.checkpoint.folder.seal` (the manifest's SHA-256
   of every file), then the rename into place;
 - ``async_blocking``: the part of ``torch.distributed.checkpoint.async_save`` the training loop
   would wait for (staging the state), its write then awaited outside the sample.
@@ -37,9 +37,10 @@ def _setup(spec: dict):
     import torch
 
     from bench.training import compose
-    from ppsplit import build
-    from ppsplit.data import BatchSource
-    from ppsplit.job_spec import from_config
+    from ppsplit.models import build
+    from ppsplit.train.objective import Objective
+    from ppsplit.data.corpus import BatchSource
+    from ppsplit.config.spec import from_config
 
     job = from_config(compose([*spec["model"], f"batch_size={spec['batch_size']}", f"seq_len={spec['seq_len']}",
                                "optimizer=adamw"]))
@@ -47,7 +48,7 @@ def _setup(spec: dict):
     model = build.build_model(m.class_name, m.config, None, job.seed, job.dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = BatchSource(job, model.config).batch(0)
-    loss_fn = build.loss_fn(m.loss)
+    loss_fn = Objective(m.loss)
 
     def step(_):
         optimizer.zero_grad(set_to_none=True)
@@ -61,8 +62,8 @@ def _setup(spec: dict):
 def _main(quick: bool, out_dir: str | None) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ppsplit import checkpoint as ckpt
-    from ppsplit.checkpoint_folder import seal
+    from ppsplit.checkpoint import dcp as ckpt
+    from ppsplit.checkpoint.folder import seal
 
     spec = QUICK if quick else FULL
     model, optimizer, step = _setup(spec)

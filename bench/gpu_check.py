@@ -29,7 +29,7 @@ CALL = {"use_cache": False, "return_dict": False}  # as conf/model/gpt2.yaml cal
 
 
 def _model(device, meta: bool = False):
-    from ppsplit import build
+    from ppsplit.models import build
 
     if meta:
         return build.build_on_meta("GPT2LMHeadModel", dict(GPT2))
@@ -38,16 +38,17 @@ def _model(device, meta: bool = False):
 
 def numerics(device, precision: str) -> dict:
     import ppsplit
-    from ppsplit import build
-    from ppsplit.train_spec import BF16_TOLERANCE
-    from ppsplit.training import precision_context
+    from ppsplit.models import build
+    from ppsplit.train.objective import Objective
+    from ppsplit.config.train_spec import BF16_TOLERANCE
+    from ppsplit.train.loop import precision_context
 
     model = _model(device)
     batch = build.make_batch("causal_lm", model, 8, 64, 0, call_kwargs=CALL).to(device)
     microbatches = batch.microbatches(4)
     split = ppsplit.split(model, microbatches[0].args, microbatches[0].kwargs, stages=2)  # traced per microbatch
     with precision_context(precision, device.type):
-        result = ppsplit.verify_numerics(model, split, microbatches, build.loss_fn("causal_lm"))
+        result = ppsplit.verify_numerics(model, split, microbatches, Objective("causal_lm"))
     rtol = BF16_TOLERANCE if precision == "bf16" else 1e-5  # the precision's default tolerance
     return {"ok": result.ok(rtol), "forward_max_abs_diff": result.forward_max_abs_diff,
             "grad_max_abs_diff": result.grad_max_abs_diff, "rtol": rtol}
@@ -56,7 +57,7 @@ def numerics(device, precision: str) -> dict:
 def stage_overhead(device, repeats: int) -> dict:
     import ppsplit
     from bench.stage_overhead import eager_stage0
-    from ppsplit import build
+    from ppsplit.models import build
 
     model = _model(device).eval()
     ids = build.make_batch("causal_lm", model, 4, 128, 0).args[0].to(device)
@@ -80,9 +81,9 @@ def stage_overhead(device, repeats: int) -> dict:
 
 
 def materialised(device) -> dict:
-    from ppsplit import build
-    from ppsplit.materialize import materialize_stages, trace_device
-    from ppsplit.trace_split import split as split_model
+    from ppsplit.models import build
+    from ppsplit.parallel.materialize import materialize_stages, trace_device
+    from ppsplit.stages.trace import split as split_model
 
     model = _model(device, meta=True)
     example = build.make_batch("causal_lm", model, 2, 32, 0, call_kwargs=CALL).to(trace_device(device))

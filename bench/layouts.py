@@ -1,7 +1,7 @@
 """Step time and per-rank memory of pipeline-only, pipeline x FSDP2 and pipeline x tensor-parallel
 layouts of one LLaMA on the same global batch, side by side in one run.
 
-Each layout is a real ppsplit job (``ppsplit.cli.run``, local ranks, one torch thread per rank):
+Each layout is a real ppsplit job (``ppsplit.app.cli.run``, local ranks, one torch thread per rank):
 pp2 (2 ranks), pp2 x dp2 (4 ranks, FSDP2) and pp2 x tp2 (4 ranks). The jobs run in rounds, the
 order reversed every other round, so that drift of a shared machine reaches every layout alike.
 Per rank the report gives the parameter + optimizer bytes it holds between steps (its shards),
@@ -34,21 +34,21 @@ QUICK = dict(model=["model=llama"], batch_size=8, seq_len=32, microbatches=4, st
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from ppsplit.cli import CONF_DIR
+    from ppsplit.app.cli import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
 def run_layout(overrides: list[str]) -> dict:
-    import ppsplit.cli
+    import ppsplit.app.cli
 
     out = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-") as tmp:
         start = time.perf_counter()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                code = ppsplit.cli.run(compose(overrides), tmp)
+                code = ppsplit.app.cli.run(compose(overrides), tmp)
         except Exception as exc:  # one failing layout is reported, the others still run
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "output_tail": out.getvalue()[-2000:]}
         wall = time.perf_counter() - start

@@ -37,9 +37,9 @@ warnings.filterwarnings("ignore")
 import torch
 torch.set_num_threads(1)
 mode, config, stages, seq, rank = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-from ppsplit import build
+from ppsplit.models import build
 import ppsplit
-from ppsplit.stage_state import peak_rss_bytes as rss  # VmHWM: ru_maxrss would carry the parent's peak
+from ppsplit.parallel.stage_state import peak_rss_bytes as rss  # VmHWM: ru_maxrss would carry the parent's peak
 model = build.build_on_meta("LlamaForCausalLM", config)
 ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
 kwargs = {"return_dict": False, "use_cache": False}
@@ -54,7 +54,7 @@ elif mode == "pipeline":
     from torch.distributed.pipelining import SplitPoint, pipeline
     pipeline(model, mb_args=(ids,), mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in points})
 elif mode == "rank":
-    from ppsplit.materialize import materialize_stages
+    from ppsplit.parallel.materialize import materialize_stages
     split = ppsplit.split(model, (ids,), kwargs, points=points)
     before = rss()
     stage = materialize_stages(model, split, [rank], 0, None, torch.device("cpu"))[rank]

@@ -1,13 +1,13 @@
 """The pipeline's bubble as it ran against the schedule's own, for the seven schedules, and how
 much of the ranks' time is compute under the FLOP-balanced split against ``even``.
 
-Each point is a real ppsplit run (``ppsplit.cli.run``, local ranks, one torch thread each) of
+Each point is a real ppsplit run (``ppsplit.app.cli.run``, local ranks, one torch thread each) of
 GPT2 at 2 and 4 pipeline ranks (the looped and V schedules hold two stages a rank, so 4 and 8
 stages), read back from its ``report.json``'s ``run.timeline``:
 
 - ``bubble``: measured, the mean over ranks of the idle share of the median step;
 - ``bubble_theory``: the schedule's action lists played out with F = I = W = 1, B = 2
-  (``ppsplit/schedule_bubble.py``); ``bubble_expected``: the same lists with the run's measured
+  (``ppsplit/train/bubble.py``); ``bubble_expected``: the same lists with the run's measured
   stage times (the bubble were sends and overheads free);
 - ``efficiency``: the stages' compute in the median step (every action's time, summed over the
   ranks) over ranks x that step's time (first start to last end, optimizer included): 1.0 would
@@ -39,7 +39,7 @@ STRATEGIES = ("even", "flops")
 
 
 def stages_for(schedule: str, ranks: int) -> int:
-    from ppsplit.schedules import SCHEDULES as PLACEMENTS
+    from ppsplit.config.schedules import SCHEDULES as PLACEMENTS
 
     return ranks if PLACEMENTS[schedule][1] == "single" else 2 * ranks
 
@@ -47,15 +47,15 @@ def stages_for(schedule: str, ranks: int) -> int:
 def run_point(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
-    import ppsplit.cli
+    import ppsplit.app.cli
 
-    with initialize_config_dir(config_dir=ppsplit.cli.CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=ppsplit.app.cli.CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     out = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-") as tmp:
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                code = ppsplit.cli.run(cfg, tmp)
+                code = ppsplit.app.cli.run(cfg, tmp)
             with open(os.path.join(tmp, "report.json")) as f:
                 report = json.load(f)
         except Exception as exc:  # one failing point is reported, the others still run

@@ -4,7 +4,7 @@ The ideal for p stages and m microbatches is (T1 / p) * (m + p - 1) / m: a perfe
 unsplit forward+backward of the full batch (T1) over p ranks, plus the fill and drain bubble of
 p - 1 microbatches. T1 is measured in this process on one thread (ranks also run one thread
 each). The step time is ppsplit's own: ``run.step_time_s`` in ``report.json`` from
-``ppsplit.cli.run``, the median over the steps after the first of the slowest rank; a step
+``ppsplit.app.cli.run``, the median over the steps after the first of the slowest rank; a step
 includes the optimizer step and the tied-gradient all-reduce, which T1 does not.
 
 T1 samples are interleaved with the jobs (one before each job), so both sides of every ratio
@@ -37,19 +37,19 @@ QUICK = dict(model=[], batch_size=8, seq_len=32, microbatches=(4,), schedules=("
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    import ppsplit.cli
+    import ppsplit.app.cli
 
-    with initialize_config_dir(config_dir=ppsplit.cli.CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=ppsplit.app.cli.CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
 def strategies(quick: bool) -> list[str]:
     """The split strategies in ``conf/split`` that need nothing beyond ``stages``."""
-    import ppsplit.cli
+    import ppsplit.app.cli
 
     if quick:
         return ["even"]
-    names = sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(ppsplit.cli.CONF_DIR, "split"))
+    names = sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(ppsplit.app.cli.CONF_DIR, "split"))
                    if f.endswith(".yaml"))
     # manual needs split.points; even goes first as the reference.
     return ["even"] + [n for n in names if n not in ("even", "manual")]
@@ -65,8 +65,8 @@ def planned_points(cfg) -> list[str] | None:
     land on the same points as one already measured). None if ppsplit's API does not say."""
     try:
         import ppsplit
-        from ppsplit import build
-        from ppsplit.job_spec import from_config
+        from ppsplit.models import build
+        from ppsplit.config.spec import from_config
 
         spec = from_config(cfg)
         s = spec.model
@@ -83,14 +83,15 @@ class T1:
     """One unsplit forward+backward of the full batch, in this process."""
 
     def __init__(self, cfg):
-        from ppsplit import build
-        from ppsplit.job_spec import from_config
+        from ppsplit.models import build
+        from ppsplit.train.objective import Objective
+        from ppsplit.config.spec import from_config
 
         s = from_config(cfg).model
         self.model = build.build_model(s.class_name, s.config, s.pretrained, cfg.seed)
         self.batch = build.make_batch(s.inputs, self.model, cfg.batch_size, cfg.seq_len,
                                       cfg.seed, call_kwargs=s.call_kwargs)
-        self.loss_fn = build.loss_fn(s.loss)
+        self.loss_fn = Objective(s.loss)
         self.case = harness.Case(self._step, setup=self._zero)
 
     def _zero(self):
@@ -111,7 +112,7 @@ def slowest_rank_steps(report: dict) -> list[float] | None:
 
 
 def run_job(overrides: list[str]) -> dict:
-    import ppsplit.cli
+    import ppsplit.app.cli
 
     cfg = compose(overrides)
     out, err = io.StringIO(), io.StringIO()
@@ -119,7 +120,7 @@ def run_job(overrides: list[str]) -> dict:
         start = time.perf_counter()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = ppsplit.cli.run(cfg, tmp)
+                code = ppsplit.app.cli.run(cfg, tmp)
         except Exception as exc:  # one failing point is reported, the others still run
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                     "output_tail": (out.getvalue() + err.getvalue())[-2000:]}

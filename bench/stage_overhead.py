@@ -78,7 +78,7 @@ def _measure(label, shape, microbatch, target, repeats: int, sample_s: float) ->
     kwargs = dict(models.CALL_KWARGS)
     split = ppsplit.split(model, (ids,), kwargs, stages=2)
     assert split.points == [f"transformer.h.{n_blocks}"], split.points
-    with mock.patch("ppsplit.stage_code.fold_constants", lambda module: 0):
+    with mock.patch("ppsplit.stages.code.fold_constants", lambda module: 0):
         unfolded = ppsplit.split(model, (ids,), kwargs, stages=2).stages[0]
         interp_stage = _interpreted(ppsplit.split(model, (ids,), kwargs, stages=2).stages[0])
     stage = split.stages[0]

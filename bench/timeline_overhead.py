@@ -1,6 +1,6 @@
 """What recording the timeline costs, side by side in one run.
 
-The recorder (:mod:`ppsplit.timeline`) wraps each stage's schedule entry points, and the
+The recorder (:mod:`ppsplit.report.timeline`) wraps each stage's schedule entry points, and the
 schedules' wait on their sends and receives. Its cost is what a wrapper adds to a call:
 measured on an action (and a wait) that does nothing, through the wrapper and without it,
 interleaved (many calls a sample). Against it stands a real action: a block of
@@ -57,7 +57,7 @@ class _Stage:
 def _main(quick: bool, out_dir: str | None) -> dict:
     import torch
 
-    from ppsplit.timeline import Recorder
+    from ppsplit.train.recorder import Recorder
 
     spec = QUICK if quick else FULL
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 1. Throughput: tokens/s of a 2-stage pipeline (a real ppsplit job: 2 local ranks, one torch
    thread each, ``verify=off``) against the unsplit model trained in one process by the same
-   step code (:func:`ppsplit.training.train_in_process`), at one torch thread and at two (the
+   step code (:func:`ppsplit.train.loop.train_in_process`), at one torch thread and at two (the
    pipeline's two ranks use two cores). Median step time after the first; jobs interleaved.
 2. Activation checkpointing: the unsplit model's step time with every block recomputed in the
    backward against without, in one process, interleaved.
@@ -32,7 +32,7 @@ QUICK = dict(model=["model=gpt2"], batch_size=8, seq_len=32, microbatches=4, ste
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from ppsplit.cli import CONF_DIR
+    from ppsplit.app.cli import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
@@ -45,12 +45,12 @@ def common(spec: dict) -> list[str]:
 
 
 def pipeline_step_times(spec: dict) -> list[float]:
-    import ppsplit.cli
+    import ppsplit.app.cli
 
     out = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-") as tmp:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = ppsplit.cli.run(compose(common(spec) + ["metrics.csv=false", "metrics.plot=false"]), tmp)
+            code = ppsplit.app.cli.run(compose(common(spec) + ["metrics.csv=false", "metrics.plot=false"]), tmp)
         if code != 0:
             raise RuntimeError(out.getvalue()[-2000:])
         with open(os.path.join(tmp, "report.json")) as f:
@@ -58,10 +58,11 @@ def pipeline_step_times(spec: dict) -> list[float]:
 
 
 def unsplit_step_times(spec: dict, threads: int, checkpointing: str | None = None) -> list[float]:
-    from ppsplit import build
-    from ppsplit.data import BatchSource
-    from ppsplit.job_spec import from_config
-    from ppsplit.training import apply_activation_checkpointing, checkpoint_pattern, train_in_process
+    from ppsplit.models import build
+    from ppsplit.train.objective import Objective
+    from ppsplit.data.corpus import BatchSource
+    from ppsplit.config.spec import from_config
+    from ppsplit.train.loop import apply_activation_checkpointing, checkpoint_pattern, train_in_process
 
     overrides = common(spec) + ([f"train.activation_checkpointing={checkpointing}"] if checkpointing else [])
     job = from_config(compose(overrides))
@@ -71,14 +72,14 @@ def unsplit_step_times(spec: dict, threads: int, checkpointing: str | None = Non
     apply_activation_checkpointing(model, checkpoint_pattern(job.train.activation_checkpointing, blocks))
     with harness.torch_threads(threads):
         out = train_in_process(model, [model], BatchSource(job, model.config), job, job.microbatches,
-                               build.loss_fn(m.loss))
+                               Objective(m.loss))
     return out["step_times_s"][1:]
 
 
 def metrics_row_cost(repeats: int) -> float:
     """Seconds to record one step (csv and TensorBoard)."""
-    from ppsplit.job_spec import from_config
-    from ppsplit.metrics import MetricsLog
+    from ppsplit.config.spec import from_config
+    from ppsplit.train.metrics import MetricsLog
 
     job = from_config(compose(["metrics.tensorboard=true"]))
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-") as tmp:

@@ -8,10 +8,10 @@
 """
 
 from ppsplit.errors import CheckFailed, PpsplitError
-from ppsplit.layout import parallelize
-from ppsplit.ties import TiedWeights
-from ppsplit.trace_split import Split, find_blocks, split
-from ppsplit.verify import FqnReport, Numerics, verify_fqns, verify_numerics
+from ppsplit.parallel.layout import parallelize
+from ppsplit.parallel.ties import TiedWeights
+from ppsplit.stages.trace import Split, find_blocks, split
+from ppsplit.stages.verify import FqnReport, Numerics, verify_fqns, verify_numerics
 
 __all__ = [
     "CheckFailed", "FqnReport", "Numerics", "PpsplitError", "Split",

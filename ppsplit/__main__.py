@@ -1,3 +1,3 @@
-from ppsplit.cli import main
+from ppsplit.app.cli import main
 
 main()

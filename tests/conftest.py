@@ -5,7 +5,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ppsplit.cli import CONF_DIR
+from ppsplit.app.cli import CONF_DIR
 
 MODELS = ("gpt2", "llama", "bert", "t5")
 MORE_MODELS = ("qwen2_moe", "bart", "vit", "albert")  # more families, configured like the four
@@ -45,7 +45,7 @@ def reports_follow_the_schema(tmp_path):
 
     import jsonschema
 
-    from ppsplit.report import schema
+    from ppsplit.report.text import schema
 
     validator = jsonschema.Draft202012Validator(schema())
     for path in glob.glob(os.path.join(str(tmp_path), "**", "report.json"), recursive=True):

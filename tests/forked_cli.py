@@ -1,9 +1,9 @@
 """The command line for tests without paying for Python's imports each time.
 
 Most of a ``python -m ppsplit`` run on this machine is importing torch, transformers and Hydra
-(about 7 s of CPU). Here ppsplit's own launcher (:mod:`ppsplit.local_ranks`, the one that forks
+(about 7 s of CPU). Here ppsplit's own launcher (:mod:`ppsplit.launch.local`, the one that forks
 local ranks) imports them once, in a process that runs nothing else, and forks each command
-line from it: ``ppsplit.cli.main`` with the test's arguments, environment and folder, in a
+line from it: ``ppsplit.app.cli.main`` with the test's arguments, environment and folder, in a
 session of its own, its output and errors to files. It is the program ``python -m ppsplit``
 runs, minus the interpreter's start; tests of the installed command itself (``test_install``,
 the README's commands) start real processes.
@@ -19,9 +19,9 @@ import tempfile
 import threading
 import time
 
-from ppsplit.local_ranks import Launcher
+from ppsplit.launch.local import Launcher
 
-PRELOAD = ("ppsplit.cli", "ppsplit.job", "ppsplit.dispatch", "hydra", "omegaconf", "datasets",
+PRELOAD = ("ppsplit.app.cli", "ppsplit.app.job", "ppsplit.launch.dispatch", "hydra", "omegaconf", "datasets",
            "transformers.GPT2LMHeadModel", "transformers.LlamaForCausalLM", "transformers.BertForMaskedLM",
            "transformers.T5ForConditionalGeneration", "transformers.Qwen2MoeForCausalLM",
            "transformers.BartForConditionalGeneration", "transformers.ViTForImageClassification",
@@ -48,7 +48,7 @@ class ForkedCli:
         self.out_path, self.err_path = os.path.join(self._files, "out"), os.path.join(self._files, "err")
         self.server = server()
         full_env = {**os.environ, **(env or {})}
-        ident = self.server.submit("ppsplit.cli", self.args, full_env, self.out_path, self.err_path, cwd=str(cwd))
+        ident = self.server.submit("ppsplit.app.cli", self.args, full_env, self.out_path, self.err_path, cwd=str(cwd))
         self.pid = self.server.pid(ident, wait_s=600)
         self.returncode = None
         self._err_offset = 0

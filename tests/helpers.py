@@ -2,9 +2,10 @@
 
 from hydra import compose, initialize_config_dir
 
-from ppsplit import build
-from ppsplit.cli import CONF_DIR
-from ppsplit.job_spec import from_config
+from ppsplit.models import build
+from ppsplit.train.objective import Objective
+from ppsplit.app.cli import CONF_DIR
+from ppsplit.config.spec import from_config
 
 
 def compose_cfg(*overrides):
@@ -19,4 +20,4 @@ def model_and_batch(name, *overrides, seed=0):
     model = build.build_model(s.class_name, s.config, s.pretrained, seed=seed)
     batch = build.make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
                              call_kwargs=s.call_kwargs)
-    return model, batch.microbatches(cfg.microbatches), build.loss_fn(s.loss)
+    return model, batch.microbatches(cfg.microbatches), Objective(s.loss)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ppsplit import PpsplitError
-from ppsplit.cli import run
+from ppsplit.app.cli import run
 from conftest import run_cli
 from helpers import compose_cfg
 
@@ -77,8 +77,8 @@ MISTAKES = [
 
 @pytest.mark.parametrize("argv,expect", MISTAKES, ids=[" ".join(m[0]) for m in MISTAKES])
 def test_every_mistake_on_the_command_line_is_one_line(argv, expect):
-    from ppsplit.cli import CONF_DIR
-    from ppsplit.overrides import check_command_line
+    from ppsplit.app.cli import CONF_DIR
+    from ppsplit.config.overrides import check_command_line
 
     with pytest.raises(PpsplitError) as info:
         check_command_line(argv, CONF_DIR)
@@ -95,16 +95,16 @@ def test_a_mistake_hydra_would_report_exits_2_with_one_line_and_no_folder(tmp_pa
 
 
 def test_a_good_command_line_passes_the_check():
-    from ppsplit.cli import CONF_DIR
-    from ppsplit.overrides import check_command_line
+    from ppsplit.app.cli import CONF_DIR
+    from ppsplit.config.overrides import check_command_line
 
     check_command_line(["-m", "model=gpt2,llama", "stages=2,4", "+model.config.new=1", "split=manual",
                         "split.points=[transformer.h.1]", "hydra.run.dir=/tmp/x y"], CONF_DIR)
 
 
 def test_pretrained_local_folder_loads_real_weights(tmp_path):
-    from ppsplit import build
-    from ppsplit.job_spec import from_config
+    from ppsplit.models import build
+    from ppsplit.config.spec import from_config
 
     s = from_config(compose_cfg("model=gpt2")).model
     saved = build.build_model(s.class_name, s.config, seed=123)
@@ -117,8 +117,8 @@ def test_pretrained_local_folder_loads_real_weights(tmp_path):
 
 
 def test_pretrained_takes_its_config_and_the_overrides_given_on_the_command_line(tmp_path):
-    from ppsplit import build
-    from ppsplit.job_spec import from_config
+    from ppsplit.models import build
+    from ppsplit.config.spec import from_config
 
     s = from_config(compose_cfg("model=gpt2")).model
     saved = build.build_model(s.class_name, dict(s.config, n_layer=2), seed=5)

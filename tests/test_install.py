@@ -51,7 +51,7 @@ def ppsplit(venv, *args, cwd, env=None):
 
 def test_the_installed_package_is_the_wheel_with_its_configs(venv, tmp_path):
     proc = subprocess.run([str(venv / "bin" / "python"), "-c",
-                           "import ppsplit.cli; print(ppsplit.cli.__file__); print(ppsplit.cli.CONF_DIR)"],
+                           "import ppsplit.app.cli; print(ppsplit.app.cli.__file__); print(ppsplit.app.cli.CONF_DIR)"],
                           cwd=tmp_path, capture_output=True, text=True, check=True,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     module, conf = proc.stdout.split()

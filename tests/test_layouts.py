@@ -11,7 +11,7 @@ import torch
 import ppsplit
 
 from ppsplit import PpsplitError
-from ppsplit.cli import run
+from ppsplit.app.cli import run
 from conftest import run_cli
 from helpers import compose_cfg, model_and_batch
 
@@ -26,7 +26,7 @@ def run_report(folder, *overrides):
 
 def assert_matches_unsplit(run_section, steps=3, tie_atol=1e-6):
     """``tie_atol``: how far a tied tensor may be from the unsplit model's after the steps (an
-    adaptive optimizer moves noise-gradient entries by up to its learning rate: ppsplit.tolerance)."""
+    adaptive optimizer moves noise-gradient entries by up to its learning rate: ppsplit.stages.tolerance)."""
     assert run_section["ok"], run_section.get("worst_grad")
     assert run_section["rank_fqn_problems"] == []  # every rank's stages keep the original FQNs
     assert len(run_section["losses"]) == steps == len(run_section["reference_losses"])
@@ -128,7 +128,7 @@ def checkpoint_step(overrides, folder, load=None, save=None, steps=2):
 def test_a_checkpoint_moves_between_layouts_and_training_goes_on_as_if_uninterrupted(tmp_path, model, chain):
     import transformers
 
-    from ppsplit.stage_state import tensor_digest
+    from ppsplit.parallel.stage_state import tensor_digest
 
     steps = 2
     whole = checkpoint_step([f"model={model}", "launcher=inline"], tmp_path / "whole", steps=steps * len(chain))
@@ -192,7 +192,7 @@ def _unit_bytes(stage, unit, units, skip=()):
 
 @pytest.mark.parametrize("model", ["llama", "gpt2", "t5"])
 def test_fsdp_units_hold_at_most_the_limit(model):
-    from ppsplit.layout import fsdp_units
+    from ppsplit.parallel.layout import fsdp_units
 
     whole, mbs, _ = model_and_batch(model)
     split = ppsplit.split(whole, mbs[0].args, mbs[0].kwargs, stages=2)
@@ -219,7 +219,7 @@ def test_fsdp_units_hold_at_most_the_limit(model):
 
 
 def test_fsdp_units_keep_a_tie_in_one_unit():
-    from ppsplit.layout import fsdp_units
+    from ppsplit.parallel.layout import fsdp_units
 
     whole, mbs, _ = model_and_batch("gpt2")  # wte is lm_head: one stage holds both
     split = ppsplit.split(whole, mbs[0].args, mbs[0].kwargs, stages=1)
@@ -233,7 +233,7 @@ def test_fsdp_units_keep_a_tie_in_one_unit():
 def _reduce_scatter_rank(rank, port, out):
     import torch.distributed as dist
 
-    from ppsplit.layout import PieceByPieceReduceScatter
+    from ppsplit.parallel.layout import PieceByPieceReduceScatter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -16,8 +16,8 @@ import pytest
 from conftest import ForkedCli, run_cli
 from test_reliability import alive, rank_pids
 
-from ppsplit.checkpoint_folder import MARKER, foreign_entry
-from ppsplit.checkpoint_series import LOCK
+from ppsplit.checkpoint.folder import MARKER, foreign_entry
+from ppsplit.checkpoint.series import LOCK
 
 SERIES = ("steps=6", "checkpoint.every=2", "checkpoint.keep=2")
 

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import ppsplit
-from ppsplit import build
-from ppsplit.cli import run
-from ppsplit.job_spec import from_config
-from ppsplit.materialize import materialize_stages
+from ppsplit.models import build
+from ppsplit.models.weights import read_checkpoint_parts
+from ppsplit.train.objective import logits_of
+from ppsplit.app.cli import run
+from ppsplit.config.spec import from_config
+from ppsplit.parallel.materialize import materialize_stages
 from helpers import compose_cfg
 
 MODELS = ("gpt2", "llama", "bert", "t5")
@@ -44,7 +46,7 @@ def test_meta_stages_equal_real_stages_and_compute_the_same(model):
         assert rb.keys() == mb.keys() and all(torch.equal(rb[k], mb[k]) for k in rb)  # non-persistent too
     real_split.stages = meta_stages  # run the materialised stages in the real split's order
     out = real_split(*batch.args, **batch.kwargs)
-    assert torch.equal(build.logits_of(out), build.logits_of(real(*batch.args, **batch.kwargs)))
+    assert torch.equal(logits_of(out), logits_of(real(*batch.args, **batch.kwargs)))
 
 
 @pytest.mark.parametrize("shard", [None, "40KB"])
@@ -69,7 +71,7 @@ def test_a_rank_reads_only_its_slice_of_a_pretrained_tensor(tmp_path):
     source.save_pretrained(tmp_path / "ckpt")
     whole = source.state_dict()
     rows, cols = (slice(0, 32), slice(None)), (slice(None), slice(64, 128))
-    got = build.read_checkpoint_parts(str(tmp_path / "ckpt"), [
+    got = read_checkpoint_parts(str(tmp_path / "ckpt"), [
         ("model.layers.0.self_attn.q_proj.weight", rows), ("model.layers.1.mlp.down_proj.weight", cols),
         ("model.norm.weight", None), ("not.in.the.checkpoint", rows)])
     assert torch.equal(got[0], whole["model.layers.0.self_attn.q_proj.weight"][rows])

@@ -69,8 +69,8 @@ def test_a_model_without_a_usable_class_or_task_is_refused(tmp_path, overrides, 
 
 @pytest.mark.parametrize("model", MORE_MODELS)
 def test_inputs_and_loss_follow_the_task(cfg_for, model):
-    from ppsplit.job_spec import from_config
-    from ppsplit.tasks import task_of
+    from ppsplit.config.spec import from_config
+    from ppsplit.config.tasks import task_of
 
     spec = from_config(cfg_for(f"model={model}")).model
     assert spec.inputs == spec.loss == TASKS[model] == task_of(spec.class_name)

@@ -9,10 +9,10 @@ import pytest
 
 import ppsplit
 from ppsplit import PpsplitError
-from ppsplit.cli import run
-from ppsplit.plan import balance, layer_sizes, linear_partition, stage_costs, unit_costs
-from ppsplit.split_points import find_blocks, module_run_order, unit_starts
-from ppsplit.trace_split import export
+from ppsplit.app.cli import run
+from ppsplit.stages.plan import balance, layer_sizes, linear_partition, stage_costs, unit_costs
+from ppsplit.stages.points import find_blocks, module_run_order, unit_starts
+from ppsplit.stages.trace import export
 from helpers import compose_cfg, model_and_batch
 
 

@@ -85,7 +85,7 @@ def test_bad_input_in_the_current_folder_removes_nothing_but_its_own(tmp_path):
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
-    from ppsplit.cli import RunFolder
+    from ppsplit.app.cli import RunFolder
 
     target = tmp_path / "outputs" / "2026-12-03" / "10-00-00"
     first, second = RunFolder(str(target), "ppsplit"), RunFolder(str(target), "ppsplit")

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from ppsplit import CheckFailed, PpsplitError
-from ppsplit.cli import run
-from ppsplit.schedules import plan_ranks
+from ppsplit.app.cli import run
+from ppsplit.config.schedules import plan_ranks
 from conftest import run_cli
 from helpers import compose_cfg
 
@@ -123,7 +123,7 @@ def test_impossible_schedules_are_refused_before_any_process(tmp_path, schedule,
 
 
 def test_plan_places_stages_in_loop_and_v():
-    from ppsplit.schedules import stages_of_rank
+    from ppsplit.config.schedules import stages_of_rank
 
     assert plan_ranks("interleaved_1f1b", 4, 2, 4).ranks == 2
     assert [stages_of_rank(r, 2, 2, "loop") for r in range(2)] == [[0, 2], [1, 3]]
@@ -172,7 +172,7 @@ def test_a_hanging_rank_is_named_with_its_step(tmp_path):
     with pytest.raises(CheckFailed) as info:
         run(cfg, str(tmp_path))
     message = str(info.value)
-    assert message.startswith("no progress for timeout_s=15: rank 0 in step 2/3 at ppsplit/debug.py:"), message
+    assert message.startswith("no progress for timeout_s=15: rank 0 in step 2/3 at ppsplit/faults.py:"), message
     assert "rank(s) 1 wait on it" in message
     assert time.monotonic() - start < 60
     assert processes_gone(tmp_path)
@@ -183,9 +183,9 @@ def test_a_hanging_rank_is_named_with_its_step(tmp_path):
 def test_checkpoint_loads_into_a_fresh_unsplit_model(tmp_path, model, launcher):
     import torch.distributed.checkpoint as dcp
 
-    from ppsplit import build
-    from ppsplit.job_spec import from_config
-    from ppsplit.stage_state import tensor_digest
+    from ppsplit.models import build
+    from ppsplit.config.spec import from_config
+    from ppsplit.parallel.stage_state import tensor_digest
 
     code, data = run_report(tmp_path, f"model={model}", f"launcher={launcher}", "checkpoint.save=true")
     assert code == 0

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ppsplit.cli import run
+from ppsplit.app.cli import run
 from conftest import run_cli
 from helpers import compose_cfg
 
@@ -154,7 +154,7 @@ def test_sweep_points_land_on_different_nodes(tmp_path, launcher):
 
 @pytest.mark.parametrize("launcher", ["slurm"])
 def test_the_driver_listens_on_its_address_towards_the_controller(monkeypatch, launcher):
-    from ppsplit.slurm_ranks import driver_address
+    from ppsplit.launch.slurm import driver_address
 
     assert driver_address() == "10.77.0.1"  # the bridge: what the nodes reach
     assert driver_address("login7") == "login7"  # a name given is taken as it is

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ppsplit
-from ppsplit.cli import run
+from ppsplit.app.cli import run
 from helpers import compose_cfg, model_and_batch
 
 BLOCKS = {"gpt2": 4, "llama": 4, "bert": 4, "t5": 8, "qwen2_moe": 4, "bart": 4, "vit": 4, "albert": 4}
@@ -151,8 +151,8 @@ def test_one_dynamic_split_serves_several_batch_and_sequence_sizes(model):
     """Traced once with a dynamic batch and sequence dimension, the stages run every shape in
     the bounds, as the unsplit model does; no size travels between stages (each stage reads the
     sizes it needs off the tensors it receives, as a pipeline stage must)."""
-    from ppsplit import build
-    from ppsplit.job_spec import from_config
+    from ppsplit.models import build
+    from ppsplit.config.spec import from_config
 
     net, _, loss_fn = model_and_batch(model)
     s = from_config(compose_cfg(f"model={model}")).model

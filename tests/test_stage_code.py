@@ -13,8 +13,8 @@ from torch.utils import _pytree as pytree
 import ppsplit
 from conftest import MODELS
 from helpers import model_and_batch
-from ppsplit import stage_code
-from ppsplit.stage_code import _FLAG, CachedConstants, adopt_tensors
+from ppsplit.stages import code as stage_code
+from ppsplit.stages.code import _FLAG, CachedConstants, adopt_tensors
 
 unflatten = importlib.import_module("torch.export.unflatten")  # the module, not the function
 

@@ -1,7 +1,7 @@
 """What the pipeline did, timed: every rank records each schedule action of each step, and the
 run folder gets a Chrome trace of them (timeline.json) whose actions are exactly the schedule's,
 a picture of the median step (timeline.png), and the bubble measured and by the schedule's own
-action lists (played out by ppsplit/schedule_bubble.py, checked here against the closed forms
+action lists (played out by ppsplit/train/bubble.py, checked here against the closed forms
 where a schedule has one)."""
 
 import json
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from conftest import run_cli
-from ppsplit import schedule_bubble
-from ppsplit.schedules import SCHEDULES, plan_ranks, stages_of_rank
+from ppsplit.train import bubble as schedule_bubble
+from ppsplit.config.schedules import SCHEDULES, plan_ranks, stages_of_rank
 
 
 def gpipe_lists(p, m):

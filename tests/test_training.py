@@ -1,7 +1,7 @@
 """Training for real: local corpora through a local tokenizer, the stream indexed by sample,
 schedules, accumulation, clipping across ranks, bf16 and recomputation, evaluation, metrics,
 and one-line refusals of what cannot train. The corpus and tokenizer are made here
-(ppsplit.toy_corpus: the standard library's docstrings and a BPE trained on them)."""
+(ppsplit.data.toy_corpus: the standard library's docstrings and a BPE trained on them)."""
 
 import json
 import math
@@ -12,13 +12,13 @@ import torch
 
 from conftest import run_cli
 from helpers import compose_cfg
-from ppsplit.cli import run
+from ppsplit.app.cli import run
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A 60 KB corpus as .txt, .jsonl and .parquet (the same documents), its tokenizer, a cache."""
-    from ppsplit.toy_corpus import make
+    from ppsplit.data.toy_corpus import make
 
     folder = tmp_path_factory.mktemp("toy")
     corpus, tokenizer = make(str(folder), kb=60, vocab=500)
@@ -43,8 +43,8 @@ def report(folder):
 
 
 def test_the_stream_is_indexed_by_sample_and_every_loader_packs_the_same_blocks(toy):
-    from ppsplit.data import BatchSource, TokenBlocks, prepare
-    from ppsplit.job_spec import from_config
+    from ppsplit.data.corpus import BatchSource, TokenBlocks, prepare
+    from ppsplit.config.spec import from_config
 
     paths = {}
     for kind, path, field in (("text", toy["txt"], "text"), ("jsonl", toy["folder"] / "corpus.jsonl", "body"),
@@ -72,7 +72,7 @@ def test_the_stream_is_indexed_by_sample_and_every_loader_packs_the_same_blocks(
 
 
 def test_masked_and_denoising_objectives_are_seeded_per_sample(toy):
-    from ppsplit.data import make_inputs
+    from ppsplit.data.corpus import make_inputs
 
     tokens = np.random.default_rng(0).integers(5, 500, size=(64, 32)).astype(np.int32)
     config = type("C", (), {"vocab_size": 500, "decoder_start_token_id": 0})()
@@ -93,7 +93,7 @@ def test_masked_and_denoising_objectives_are_seeded_per_sample(toy):
 
 
 def test_lr_schedules_warm_up_and_decay_to_the_floor():
-    from ppsplit.optim import lr_factor
+    from ppsplit.train.optim import lr_factor
 
     assert [lr_factor(s, "constant", 4, 20, 0.0) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert lr_factor(19, "linear", 4, 20, 0.1) == pytest.approx(0.1)
@@ -103,7 +103,7 @@ def test_lr_schedules_warm_up_and_decay_to_the_floor():
 
 
 def test_weight_decay_applies_to_matrices_only():
-    from ppsplit.optim import make_optimizer
+    from ppsplit.train.optim import make_optimizer
 
     layer = torch.nn.Linear(4, 4)
     norm = torch.nn.LayerNorm(4)
@@ -151,7 +151,7 @@ def test_bf16_with_activation_checkpointing_matches_the_unsplit_bf16_model(tmp_p
                            "optimizer=adamw", "steps=3"), str(tmp_path / "ac"))
     r = report(tmp_path / "ac")["run"]
     assert code == 0 and r["ok"] and r["train"]["precision"] == "bf16"
-    assert r["max_loss_rel_diff"] <= 2e-2  # the bf16 level (ppsplit/tolerance.py)
+    assert r["max_loss_rel_diff"] <= 2e-2  # the bf16 level (ppsplit/stages/tolerance.py)
     code = run(compose_cfg("model=llama", "train.precision=bf16", "optimizer=adamw", "steps=3"), str(tmp_path / "no"))
     plain = report(tmp_path / "no")["run"]
     assert code == 0 and r["losses"] == pytest.approx(plain["losses"], rel=1e-6)  # recomputing changes nothing
@@ -212,7 +212,7 @@ def test_each_gradient_element_counts_once_in_the_norm_whatever_its_placement():
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from ppsplit.optim import _share
+    from ppsplit.train.optim import _share
 
     class Sharded:  # a DTensor's interface, as _share reads it
         def __init__(self, names, placements):
@@ -237,7 +237,7 @@ def test_each_gradient_element_counts_once_in_the_norm_whatever_its_placement():
 
 def test_more_local_ranks_than_visible_gpus_is_refused_in_one_line():
     from ppsplit import PpsplitError
-    from ppsplit.job_checks import check_local_gpus
+    from ppsplit.app.checks import check_local_gpus
 
     check_local_gpus("local", 4, visible=0)  # CPU ranks: as many as asked
     check_local_gpus("local", 2, visible=2)
@@ -247,8 +247,8 @@ def test_more_local_ranks_than_visible_gpus_is_refused_in_one_line():
 
 
 def test_mfu_divides_by_the_peaks_the_ranks_measured_on_their_devices(tmp_path):
-    from ppsplit.job_spec import from_config
-    from ppsplit.metrics import MetricsLog, matmul_peak
+    from ppsplit.config.spec import from_config
+    from ppsplit.train.metrics import MetricsLog, matmul_peak
 
     spec = from_config(compose_cfg("metrics.csv=false", "metrics.plot=false"))
     log = MetricsLog(str(tmp_path), spec, flops_per_step=1e9, peak_flops=None, ranks=2)

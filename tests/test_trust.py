@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import ForkedCli, run_cli
-from ppsplit.checkpoint_folder import MARKER, file_digest
+from ppsplit.checkpoint.folder import MARKER, file_digest
 
 
 class RunsACommand:
@@ -61,7 +61,7 @@ def test_a_poisoned_entry_is_refused_by_the_weights_only_reader(tmp_path, checkp
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ppsplit.checkpoint_reader import SafePlanner, SafeReader
+    from ppsplit.checkpoint.reader import SafePlanner, SafeReader
 
     marker = tmp_path / "ran"
     dcp.save({"lr": 0.1, "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "plain"))
@@ -82,7 +82,7 @@ def test_nothing_reads_an_outside_file_with_pickle():
     found = subprocess.run(["git", "grep", "-n", r"pickle\.load\|weights_only=False", "--", "ppsplit"],
                            cwd=root, capture_output=True, text=True).stdout.splitlines()
     places = sorted(line.split(":")[0] for line in found)
-    assert places == ["ppsplit/local_ranks.py", "ppsplit/run_rank.py"], found
+    assert places == ["ppsplit/launch/local.py", "ppsplit/launch/rank.py"], found
 
 
 def test_the_runs_secret_is_private_and_noise_on_its_port_stays_off_the_console(tmp_path):
@@ -117,7 +117,7 @@ def test_the_runs_secret_is_private_and_noise_on_its_port_stays_off_the_console(
 # same process, and reads the error the rank sent just before it ends.
 HEARTBEAT_BUG = textwrap.dedent("""
     import os, time
-    from ppsplit.control import DriverChannel, RankChannel
+    from ppsplit.launch.control import DriverChannel, RankChannel
     driver = DriverChannel("127.0.0.1", 0, "ppsplit-test")
     rank = RankChannel("127.0.0.1", driver.port, "ppsplit-test", 0, 10.0)
     real_exit = os._exit
@@ -151,7 +151,7 @@ def _failing_sacct(tmp_path, monkeypatch):
 
 
 def test_slurm_queries_that_fail_are_never_read_as_pending_or_not_cancelled(tmp_path, monkeypatch):
-    from ppsplit import slurm_ranks
+    from ppsplit.launch import slurm as slurm_ranks
     from ppsplit.errors import CheckFailed
 
     _failing_sacct(tmp_path, monkeypatch)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_cli
 from ppsplit import PpsplitError
-from ppsplit.checkpoint_folder import MARKER, Target, foreign_entry, manifest_of, remove_checkpoint
+from ppsplit.checkpoint.folder import MARKER, Target, foreign_entry, manifest_of, remove_checkpoint
 
 
 def checksums(folder) -> dict[str, str]:

@@ -8,7 +8,7 @@ from torch.distributed.pipelining import pipe_split
 
 import ppsplit
 from ppsplit import PpsplitError
-from ppsplit.build import Batch
+from ppsplit.models.build import Batch
 
 WIDTH = 8
 

@@ -1,5 +1,5 @@
 """The verdict: a correct pipeline never says FAILED, and a wrong one always does. One rule
-(ppsplit/tolerance.py) for outputs, losses, gradients, trained tensors and tied copies; dropout
+(ppsplit/stages/tolerance.py) for outputs, losses, gradients, trained tensors and tied copies; dropout
 off for the comparison, or drawn alike on both sides; defects injected into real ranks fail."""
 
 import json
@@ -9,8 +9,8 @@ import torch
 
 from conftest import run_cli
 from helpers import compose_cfg
-from ppsplit.cli import run
-from ppsplit.tolerance import Tolerance, tensor_difference
+from ppsplit.app.cli import run
+from ppsplit.stages.tolerance import Tolerance, tensor_difference
 
 
 def report(folder):
@@ -100,7 +100,7 @@ def test_dropout_with_tensor_parallelism_is_refused(tmp_path):
 
 
 def test_a_gradient_that_is_only_rounding_is_compared_at_its_modules_scale():
-    from ppsplit.verify import gradient_scales_by_module
+    from ppsplit.stages.verify import gradient_scales_by_module
 
     ref = {"a.key.weight": torch.full((2, 2), 0.5), "a.key.bias": torch.tensor([4e-8, -3e-8]),
            "a.query.weight": torch.full((2, 2), 0.4), "a.query.bias": torch.tensor([0.3, -0.2])}

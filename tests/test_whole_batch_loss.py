@@ -1,5 +1,5 @@
 """A step's loss is the unsplit model's on the whole global batch in one forward, however the
-batch is cut (ppsplit/objective.py): one microbatch, four, two accumulated batches, two
+batch is cut (ppsplit/train/objective.py): one microbatch, four, two accumulated batches, two
 data-parallel ranks, two tensor-parallel ranks, four stages. Each model here scores a count of
 tokens that varies from row to row: BERT's masked LM on a local corpus, a model=hf masked LM, and
 LLaMA on padded rows. The old rule, a mean of the microbatches' means, must fail the check."""
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from helpers import compose_cfg
-from ppsplit import build
-from ppsplit.cli import run
+from ppsplit.models import build
+from ppsplit.train.objective import Objective
+from ppsplit.app.cli import run
 
 # How the same global batch of 8 is cut; m1 runs inline (a pipeline schedule needs a microbatch
 # per stage), the others on local ranks.
@@ -31,7 +32,7 @@ ROBERTA = ["model=hf", "model.model_class=RobertaForMaskedLM", "+model.config.nu
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from ppsplit.toy_corpus import make
+    from ppsplit.data.toy_corpus import make
 
     folder = tmp_path_factory.mktemp("toy")
     text, tokenizer = make(str(folder), kb=30, vocab=400)
@@ -82,14 +83,14 @@ def test_the_loss_is_the_models_own_over_every_scored_token(model, corpus):
     """The anchor is transformers' own loss (labels=...): the mean over the scored tokens of the
     whole batch. A mean of the halves' means differs, since the halves score different counts."""
     common, _ = args_of(model, corpus)
-    from ppsplit.data import BatchSource
-    from ppsplit.job_spec import from_config
+    from ppsplit.data.corpus import BatchSource
+    from ppsplit.config.spec import from_config
 
     spec = from_config(compose_cfg(*common))
     m = spec.model
     net = build.build_model(m.class_name, m.config, m.pretrained, seed=0)
     batch = BatchSource(spec, net.config).batch(0)
-    objective = build.loss_fn(m.loss)
+    objective = Objective(m.loss)
     halves = batch.microbatches(2)
     assert objective.count(halves[0].labels) != objective.count(halves[1].labels)
     with torch.no_grad():

@@ -47,7 +47,7 @@ def install(folder: str) -> None:
     for name in SYNCS:
         setattr(torch.Tensor, name, _counted(f"sync:{name}", getattr(torch.Tensor, name)))
 
-    from ppsplit import control
+    from ppsplit.launch import control
 
     report = control.RankChannel.report
     state = {"at": None, "before": None}
