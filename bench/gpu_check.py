@@ -38,13 +38,13 @@ def _model(device, meta: bool = False):
 
 def numerics(device, precision: str) -> dict:
     import ppsplit
-    from ppsplit.models import build
+    from ppsplit.data.batch import make_batch
     from ppsplit.train.objective import Objective
     from ppsplit.config.train_spec import BF16_TOLERANCE
     from ppsplit.train.loop import precision_context
 
     model = _model(device)
-    batch = build.make_batch("causal_lm", model, 8, 64, 0, call_kwargs=CALL).to(device)
+    batch = make_batch("causal_lm", model, 8, 64, 0, call_kwargs=CALL).to(device)
     microbatches = batch.microbatches(4)
     split = ppsplit.split(model, microbatches[0].args, microbatches[0].kwargs, stages=2)  # traced per microbatch
     with precision_context(precision, device.type):
@@ -57,10 +57,10 @@ def numerics(device, precision: str) -> dict:
 def stage_overhead(device, repeats: int) -> dict:
     import ppsplit
     from bench.stage_overhead import eager_stage0
-    from ppsplit.models import build
+    from ppsplit.data.batch import make_batch
 
     model = _model(device).eval()
-    ids = build.make_batch("causal_lm", model, 4, 128, 0).args[0].to(device)
+    ids = make_batch("causal_lm", model, 4, 128, 0).args[0].to(device)
     split = ppsplit.split(model, (ids,), dict(CALL), stages=2)
     stage = split.stages[0]
 
@@ -82,11 +82,12 @@ def stage_overhead(device, repeats: int) -> dict:
 
 def materialised(device) -> dict:
     from ppsplit.models import build
+    from ppsplit.data.batch import make_batch
     from ppsplit.parallel.materialize import materialize_stages, trace_device
     from ppsplit.stages.trace import split as split_model
 
     model = _model(device, meta=True)
-    example = build.make_batch("causal_lm", model, 2, 32, 0, call_kwargs=CALL).to(trace_device(device))
+    example = make_batch("causal_lm", model, 2, 32, 0, call_kwargs=CALL).to(trace_device(device))
     split = split_model(model, example.args, example.kwargs, stages=2)
     stage = materialize_stages(model, split, [1], 0, None, device)[1]
     real = build.build_model("GPT2LMHeadModel", dict(GPT2), seed=0).state_dict()

@@ -66,12 +66,13 @@ def planned_points(cfg) -> list[str] | None:
     try:
         import ppsplit
         from ppsplit.models import build
+        from ppsplit.data.batch import make_batch
         from ppsplit.config.spec import from_config
 
         spec = from_config(cfg)
         s = spec.model
         model = build.build_model(s.class_name, s.config, s.pretrained, cfg.seed)
-        batch = build.make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
+        batch = make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
                                  call_kwargs=s.call_kwargs)
         mb = batch.microbatches(cfg.microbatches)[0]
         return list(ppsplit.split(model, mb.args, mb.kwargs, **spec.split_kwargs()).points)
@@ -84,12 +85,13 @@ class T1:
 
     def __init__(self, cfg):
         from ppsplit.models import build
+        from ppsplit.data.batch import make_batch
         from ppsplit.train.objective import Objective
         from ppsplit.config.spec import from_config
 
         s = from_config(cfg).model
         self.model = build.build_model(s.class_name, s.config, s.pretrained, cfg.seed)
-        self.batch = build.make_batch(s.inputs, self.model, cfg.batch_size, cfg.seq_len,
+        self.batch = make_batch(s.inputs, self.model, cfg.batch_size, cfg.seq_len,
                                       cfg.seed, call_kwargs=s.call_kwargs)
         self.loss_fn = Objective(s.loss)
         self.case = harness.Case(self._step, setup=self._zero)

@@ -3,6 +3,7 @@
 from hydra import compose, initialize_config_dir
 
 from ppsplit.models import build
+from ppsplit.data.batch import make_batch
 from ppsplit.train.objective import Objective
 from ppsplit.app.cli import CONF_DIR
 from ppsplit.config.spec import from_config
@@ -18,6 +19,6 @@ def model_and_batch(name, *overrides, seed=0):
     cfg = compose_cfg(f"model={name}", *overrides)
     s = from_config(cfg).model
     model = build.build_model(s.class_name, s.config, s.pretrained, seed=seed)
-    batch = build.make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
+    batch = make_batch(s.inputs, model, cfg.batch_size, cfg.seq_len, cfg.seed,
                              call_kwargs=s.call_kwargs)
     return model, batch.microbatches(cfg.microbatches), Objective(s.loss)

@@ -167,6 +167,17 @@ def test_training(tmp_path):
         assert positive(data[key]), key
 
 
+def test_finetune(tmp_path):
+    data = run_quick("finetune", tmp_path)
+    check_sides(data["step_time_s"], ("lora", "full", "padded"))
+    assert all(positive(v) for v in data["scored_tokens_per_s"].values())
+    assert data["scored_tokens_per_row"]["lora"] > data["scored_tokens_per_row"]["padded"]  # packed rows score more
+    assert 0 < data["lora_over_full_optimizer_bytes"] < 0.2  # adamw's moments for the adapters alone
+    for key in ("lora_over_full_tokens_per_s", "packing_over_padding_tokens_per_s",
+                "packing_over_padding_scored_tokens_per_s"):
+        assert positive(data[key]), key
+
+
 def test_checkpoint_cost(tmp_path):
     data = run_quick("checkpoint_cost", tmp_path)
     check_sides(data["seconds"], ("step", "save", "seal", "async_blocking"))

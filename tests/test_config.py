@@ -16,11 +16,11 @@ TINY_QWEN2 = ["model.model_class=Qwen2ForCausalLM", "+model.config.num_hidden_la
               "+model.config.num_attention_heads=2", "+model.config.num_key_value_heads=1",
               "+model.config.vocab_size=500"]
 EXTRA = {("split", "manual"): ["split.points=[transformer.h.2]"], ("model", "hf"): TINY_QWEN2,
-         **{("data", kind): [f"data.path=corpus.{kind}"] for kind in ("text", "jsonl", "parquet")}}
+         **{("data", kind): [f"data.path=corpus.{kind}"] for kind in ("text", "jsonl", "parquet", "sft")}}
 
 
 def test_groups_are_the_documented_ones():
-    assert {"model", "split", "schedule", "launcher"} <= set(GROUPS)
+    assert {"model", "split", "schedule", "launcher", "data", "peft"} <= set(GROUPS)
     assert {"gpt2", "llama", "bert", "t5", "hf", "qwen2_moe", "bart", "vit", "albert"} <= set(GROUPS["model"])
     assert {"even", "manual"} <= set(GROUPS["split"])
     assert {"gpipe", "1f1b"} <= set(GROUPS["schedule"])

@@ -8,6 +8,7 @@ import torch
 
 import ppsplit
 from ppsplit.models import build
+from ppsplit.data.batch import make_batch
 from ppsplit.models.weights import read_checkpoint_parts
 from ppsplit.train.objective import logits_of
 from ppsplit.app.cli import run
@@ -23,7 +24,7 @@ def meta_and_real_splits(model, stages=2, pretrained=None):
     s = from_config(cfg).model
     real = (build.build_model(s.class_name, pretrained=pretrained) if pretrained else
             build.build_model(s.class_name, s.config, seed=0))
-    batch = build.make_batch(s.inputs, real.config, cfg.batch_size, cfg.seq_len, 0,
+    batch = make_batch(s.inputs, real.config, cfg.batch_size, cfg.seq_len, 0,
                              call_kwargs=s.call_kwargs).microbatches(cfg.microbatches)[0]
     real_split = ppsplit.split(real, batch.args, batch.kwargs, stages=stages)
     meta = build.build_on_meta(s.class_name, s.config, pretrained)

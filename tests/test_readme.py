@@ -183,10 +183,40 @@ def requeued_to_the_last_step(runs, cwd):
     assert [sum(s > stop for stop in stops) for s, _ in rows] == [r for _, r in rows]
 
 
+def fine_tunes_adapters_over_the_pretrained_base(runs, cwd):
+    """The LoRA run over the pretrained base: the adapters alone train, the held-out answer loss
+    falls at every evaluation, and the adapter folder and the merged model are peft's and
+    transformers' own (loaded and compared)."""
+    import peft
+    import torch
+    import transformers
+
+    (_, (pretrain,)), (_, (tune,)) = [r for r in runs if r[1]]
+    assert load(pretrain)["ok"]
+    data = load(tune)
+    assert data["peft"]["trained_params"] < data["peft"]["params"] // 10
+    assert data["data"]["sft"]["format"] == "conversational" and data["data"]["sft"]["packing"]
+    val = [v["loss"] for v in data["run"]["val_losses"]]
+    assert len(val) == 4 and val == sorted(val, reverse=True), val
+    base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(cwd, "base", "hf"))
+    adapted = peft.PeftModel.from_pretrained(base, os.path.join(cwd, "lora", "hf"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(cwd, "lora", "merged"))
+    ids = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        assert (adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() < 1e-4
+    from ppsplit.checkpoint.dcp import saved_keys
+    from ppsplit.checkpoint.folder import manifest_of, read_meta
+
+    optim = {k for k in saved_keys(os.path.join(cwd, "lora")) if k.startswith("optim.state.")}
+    assert optim and all(".lora_" in k for k in optim)  # optimizer state for the adapters alone
+    assert read_meta(os.path.join(cwd, "base"))["files"] == manifest_of(os.path.join(cwd, "base"))  # only read
+
+
 CLAIMS = {  # a substring of a README block -> what its runs' reports must show
     "launcher.requeue=true launcher.max_requeue=10": requeued_to_the_last_step,
     "checkpoint.every=2 checkpoint.keep=2": goes_on_from_the_newest,
     "data=text data.path=toy/corpus.txt": trains_below_the_unigram_entropy,
+    "peft=lora stages=2": fine_tunes_adapters_over_the_pretrained_base,
     "-m stages=2,4 split=even,flops": sweep_rows_match_reports,
     "parallel.dp=2 parallel.tp=2": eight_ranks_with_a_tie,
     "seq_lens=[16,32,48]": lengths_vary,

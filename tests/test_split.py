@@ -151,7 +151,7 @@ def test_one_dynamic_split_serves_several_batch_and_sequence_sizes(model):
     """Traced once with a dynamic batch and sequence dimension, the stages run every shape in
     the bounds, as the unsplit model does; no size travels between stages (each stage reads the
     sizes it needs off the tensors it receives, as a pipeline stage must)."""
-    from ppsplit.models import build
+    from ppsplit.data.batch import make_batch
     from ppsplit.config.spec import from_config
 
     net, _, loss_fn = model_and_batch(model)
@@ -159,7 +159,7 @@ def test_one_dynamic_split_serves_several_batch_and_sequence_sizes(model):
     kind, call_kwargs = s.inputs, s.call_kwargs
 
     def microbatches(batch, seq, seed):
-        return build.make_batch(kind, net, batch * 2, seq, seed, call_kwargs=call_kwargs).microbatches(2)
+        return make_batch(kind, net, batch * 2, seq, seed, call_kwargs=call_kwargs).microbatches(2)
 
     example = microbatches(2, 32, 0)[0]
     split = ppsplit.split(net, example.args, example.kwargs, stages=2,

@@ -8,7 +8,7 @@ from torch.distributed.pipelining import pipe_split
 
 import ppsplit
 from ppsplit import PpsplitError
-from ppsplit.models.build import Batch
+from ppsplit.data.batch import Batch
 
 WIDTH = 8
 

@@ -154,6 +154,10 @@ def check_model(spec: JobSpec) -> Any:
     except Exception as err:
         raise PpsplitError(f"model.config: {m.class_name} refuses it: {build._first_line(err)}") from None
     _check_stage_count(spec, model)
+    if spec.peft.on:
+        model = _check_adapters(spec, model)
+    if spec.data.sft:
+        _check_sft(spec, cls)
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and max(spec.seq_lens or (spec.seq_len,)) > positions:
         key = f"seq_lens={list(spec.seq_lens)}" if spec.seq_lens else f"seq_len={spec.seq_len}"
@@ -194,6 +198,34 @@ def check_model(spec: JobSpec) -> Any:
                                "dropout for its shard, which cannot match the unsplit model's masks; allowed: "
                                "dropout=false, or parallel.tp=1")
     return config, model
+
+
+def _check_adapters(spec: JobSpec, model):
+    """The adapters fit the model and the layout: they are made here on meta (a target that
+    matches nothing is named now), and what cannot yet be checked against the unsplit model is
+    refused."""
+    from ppsplit.models.adapters import adapt
+
+    p = spec.peft
+    if spec.parallel.tp > 1:
+        raise PpsplitError(f"peft={p.name} with parallel.tp={spec.parallel.tp}: the adapters of a tensor-parallel "
+                           "layer are not laid out yet; allowed: parallel.tp=1 (pipeline and FSDP2 data parallel)")
+    if p.dropout:
+        raise PpsplitError(f"peft.dropout={p.dropout:g}: the adapters' dropout masks cannot be drawn alike in the "
+                           "stages and the unsplit model yet; allowed: 0")
+    return adapt(model, p, spec.seed)
+
+
+def _check_sft(spec: JobSpec, cls) -> None:
+    import inspect
+
+    m = spec.model
+    if m.inputs != "causal_lm":
+        raise PpsplitError(f"data=sft with {m.class_name} ({m.inputs}): instruction data trains causal LMs; allowed: "
+                           "a causal LM (model=gpt2, llama, qwen2_moe, or model=hf with a *ForCausalLM class)")
+    if spec.data.sft.packing and "position_ids" not in inspect.signature(cls.forward).parameters:
+        raise PpsplitError(f"data.packing=true: {m.class_name} takes no position_ids, so packed examples would see "
+                           "each other; allowed: data.packing=false")
 
 
 def _check_stage_count(spec: JobSpec, model) -> None:

@@ -18,6 +18,7 @@ import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -297,16 +298,27 @@ def main() -> None:
     allow_fork()  # nothing has run yet: local ranks can come from a fork of this process
 
     try:
-        check_command_line(sys.argv[1:], CONF_DIR)
+        check_command_line(sys.argv[1:], CONF_DIR, compose=False)
     except PpsplitError as err:  # Hydra would print several lines and exit 1
         print(f"ppsplit: error: {err}", file=sys.stderr)
         sys.exit(2)
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # what Hydra refuses comes back here as an exception, to be said in one line
     try:
         hydra_main()
+    except HydraException as err:  # composing the config: a key or an option that does not exist
+        from ppsplit.config.overrides import refusal
+
+        print(f"ppsplit: error: {refusal(err, sys.argv[1:], CONF_DIR)}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("ppsplit: interrupted by SIGINT", file=sys.stderr)
         sys.exit(130)
     finally:
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
         shutdown_launcher()
     from ppsplit.report.sweep import failed_points
 

@@ -173,12 +173,11 @@ def _build_model(spec: JobSpec, say):
     if meta and not spec.distributed and spec.steps > 0:
         raise PpsplitError("model.init=meta needs ranks to hold the weights; use launcher=local or "
                            "launcher=slurm, or steps=0 to only split and check")
-    if meta:
-        model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout)
-    else:
-        model = build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
+    model = build.model_of(spec, meta)
+    trained = f"; peft={spec.peft.name} trains {sum(p.numel() for p in model.parameters() if p.requires_grad):,}" \
+        if spec.peft.on else ""
     say.phase("build", f"built {m.class_name} ({'meta device' if meta else 'real weights'}, "
-                       f"{build.count_tensor_params(model):,} parameters)")
+                       f"{build.count_tensor_params(model):,} parameters{trained})")
     return model
 
 
@@ -325,14 +324,35 @@ class _Job:
             target.discard()
             return
         pause("save", self.spec.debug.pause_at, self.spec.debug.pause_mode)
-        log = self.log
+        log, config = self.log, self.model.config
+        if self.spec.peft.on and self.spec.checkpoint.hf:
+            config = self._export_adapters(target.staging)
         run["checkpoint"] = target.commit(checkpoint_meta(self.spec, self.split, self.resume, self.source,
                                                           self.model.config),
-                                          self.model.config, self.spec.model.class_name,
+                                          config, self.spec.model.class_name,
                                           rows=log.rows_through(log.last_step()) if log else None)
         if self.saves:
             run["checkpoints"] = list(target.committed)
         self.say(f"checkpoint: {run['checkpoint']}")
+
+    def _peft_section(self) -> dict:
+        p = self.spec.peft
+        merged = os.path.join(self.target.folder, "merged") if p.merge and self.target else None
+        return {"name": p.name, "r": p.r, "alpha": p.alpha,
+                "target_modules": list(p.target_modules) if isinstance(p.target_modules, tuple) else p.target_modules,
+                "trained_params": sum(q.numel() for q in self.model.parameters() if q.requires_grad),
+                "params": build.count_tensor_params(self.model), "merged": merged}
+
+    def _export_adapters(self, staging: str) -> None:
+        """The adapter folder peft loads, and the merged model (``peft.merge``); None: no
+        ``config.json`` goes into the adapter folder."""
+        from ppsplit.checkpoint.adapters import finish_adapter, write_merged
+
+        hf = os.path.join(staging, "hf")
+        finish_adapter(hf, self.model)
+        if self.spec.peft.merge:
+            write_merged(self.spec, hf, os.path.join(staging, "merged"))
+        return None
 
     def _keep_saved(self, err: BaseException) -> None:
         """Whatever ended the run, the periodic checkpoints the ranks finished stand."""
@@ -363,6 +383,7 @@ class _Job:
                          {**numerics.as_dict(), "ok": checks.numerics_ok, "tolerance": spec.tolerance,
                           "mismatch": None if checks.numerics_ok else _as_mismatch(numerics.worst(spec.tolerance))}),
             "data": _data_section(spec, self.data_file),
+            **({"peft": self._peft_section()} if spec.peft.on else {}),
             "run": checks.run,
             "timings_s": dict(self.say.marks),
             "started_at": started_at,
@@ -416,6 +437,9 @@ def _data_section(spec: JobSpec, data_file: str | None) -> dict:
         out.update(path=list(d.path), field=d.field, tokenizer=blocks.meta.get("tokenizer"), cache=data_file,
                    documents=blocks.meta.get("documents"), val_documents=blocks.meta.get("val_documents"),
                    train_blocks=int(len(blocks.train)), val_blocks=int(len(blocks.val)), seq_len=spec.seq_len)
+        if d.sft:
+            out["sft"] = {"format": blocks.meta.get("format"), "loss_on": d.sft.loss_on, "packing": d.sft.packing,
+                          "truncate": d.sft.truncate, "scored_tokens": blocks.meta.get("scored_tokens")}
     return out
 
 

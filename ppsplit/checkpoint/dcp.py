@@ -90,14 +90,21 @@ def save(folder: str, modules: dict, optimizers: dict, hf: str | None = None, ti
 
 def save_hf(folder: str, modules: dict, tie_groups=()) -> None:
     """The stages' tensors as safetensors (sharded ones consolidated into whole tensors), each
-    tied tensor once under its first name, as ``save_pretrained`` writes it."""
+    tied tensor once under its first name, as ``save_pretrained`` writes it. An adapted model's
+    adapters alone, under the names peft's ``save_pretrained`` gives them
+    (:mod:`ppsplit.checkpoint.adapters` makes the folder peft's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from ppsplit.models.adapters import saved_key
+
     dropped = {k for group in tie_groups for k in group[1:]}
+    trained = {k for m in modules.values() for k, p in m.named_parameters(remove_duplicate=False) if p.requires_grad}
+    adapted = any(".lora_A." in k for k in trained)
     state = {}
     for module in modules.values():
-        state.update({k: v.detach() for k, v in module.state_dict().items() if k not in dropped})
+        state.update({saved_key(k) if adapted else k: v.detach() for k, v in module.state_dict().items()
+                      if k not in dropped and (k in trained or not adapted)})
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(folder, save_distributed=True,
                                                             enable_consolidation=True))
 

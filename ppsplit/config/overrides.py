@@ -14,9 +14,14 @@ import os
 from ppsplit.errors import PpsplitError, nearest
 
 
-def check_command_line(argv: list[str], conf_dir: str, config_name: str = "config") -> None:
+def check_command_line(argv: list[str], conf_dir: str, config_name: str = "config", compose: bool = True) -> None:
     """Raise :class:`PpsplitError` if Hydra would refuse to compose ``argv`` (a run or a sweep);
-    a command line that only asks Hydra for help, its config or completion is left to Hydra."""
+    a command line that only asks Hydra for help, its config or completion is left to Hydra.
+
+    ``compose=False``: only what needs no composition (the overrides parse, every option a sweep
+    names exists); a single run's config is then composed once, by Hydra, and what it refuses is
+    said by :func:`refusal`. A sweep is composed here first all the same, so that a bad key
+    stops it before its folder exists."""
     from hydra._internal.utils import get_args_parser
 
     try:
@@ -39,7 +44,19 @@ def check_command_line(argv: list[str], conf_dir: str, config_name: str = "confi
             for value in values:  # every option a sweep names must exist
                 _check_option(key, value, groups[key])
         single.append(f"{text.split('=', 1)[0]}={values[0]}" if values else text)
-    _compose(single, conf_dir, config_name, groups)
+    if compose or args.multirun:
+        _compose(single, conf_dir, config_name, groups)
+
+
+def refusal(err: Exception, argv: list[str], conf_dir: str, config_name: str = "config") -> PpsplitError:
+    """Hydra's refusal to compose the config of ``argv`` (its exception), said in one line."""
+    from hydra._internal.utils import get_args_parser
+
+    overrides = list(get_args_parser().parse_args(argv).overrides)
+    try:
+        return _said(err, overrides, conf_dir, config_name, _groups(conf_dir))
+    except PpsplitError as said:  # an option that does not exist, named with the allowed ones
+        return said
 
 
 def _parse(overrides: list[str]):
@@ -90,13 +107,19 @@ def _compose(overrides: list[str], conf_dir: str, config_name: str, groups: dict
     try:
         with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
             compose(config_name=config_name, overrides=overrides)
-    except MissingConfigException as err:
+    except (MissingConfigException, HydraException) as err:
+        raise _said(err, overrides, conf_dir, config_name, groups) from None
+
+
+def _said(err, overrides: list[str], conf_dir: str, config_name: str, groups: dict) -> PpsplitError:
+    from hydra.errors import MissingConfigException
+
+    if isinstance(err, MissingConfigException):
         group, _, value = _missing(err)
         if group in groups:
             _check_option(group, value, groups[group])
-        raise PpsplitError(f"{_first_line(err)}; allowed config groups: {', '.join(groups)}") from None
-    except HydraException as err:
-        raise PpsplitError(_composition_message(err, overrides, conf_dir, config_name)) from None
+        return PpsplitError(f"{_first_line(err)}; allowed config groups: {', '.join(groups)}")
+    return PpsplitError(_composition_message(err, overrides, conf_dir, config_name))
 
 
 def _missing(err) -> tuple[str, str, str]:

@@ -12,7 +12,7 @@ rank then work from the same frozen :class:`JobSpec`, never from the raw config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ppsplit.config.values import (boolean, choice, get, integer, mapping, number, opt_integer, plain,
                                     text)
@@ -21,8 +21,9 @@ from ppsplit.errors import PpsplitError
 from ppsplit.config.schedules import SCHEDULES, RankPlan, plan_ranks
 from ppsplit.config.tasks import class_from_pretrained, task_of
 from ppsplit.config.values import TASKS
-from ppsplit.config.train_spec import (BF16_TIE_TOLERANCE, BF16_TOLERANCE, DataSpec, EvalSpec, MetricsSpec, TrainSpec,
-                                VerifySpec, data_spec, eval_spec, metrics_spec, train_spec, verify_spec)
+from ppsplit.config.train_spec import (BF16_TIE_TOLERANCE, BF16_TOLERANCE, DataSpec, EvalSpec, MetricsSpec, PeftSpec,
+                                       TrainSpec, VerifySpec, data_spec, eval_spec, metrics_spec, peft_spec, train_spec,
+                                       verify_spec)
 
 STRATEGIES = ("even", "manual", "layers", "params", "flops")
 LAUNCHERS = ("inline", "local", "slurm")
@@ -43,33 +44,33 @@ class ModelSpec:
     inputs: str
     loss: str
     call_kwargs: dict
-    tp_plan: dict | None = None  # FQN pattern -> style; None: the model's own (transformers' tp_plan)
+    tp_plan: dict | None  # FQN pattern -> style; None: the model's own (transformers' tp_plan)
 
 
 @dataclass(frozen=True)
 class SplitSpec:
     strategy: str
-    points: tuple[str, ...] | None = None
-    layers: tuple[int, ...] | None = None
-    first_stage_less: int = 0
-    last_stage_less: int = 0
+    points: tuple[str, ...] | None
+    layers: tuple[int, ...] | None
+    first_stage_less: int
+    last_stage_less: int
 
 
 @dataclass(frozen=True)
 class LauncherSpec:
     name: str
-    cpus_per_task: int = 1  # also each rank's torch thread count
-    port: int | None = None  # the driver's rendezvous port; None: any free port
-    partition: str | None = None
-    time_min: int | None = None
-    nodes: int = 1
-    tasks_per_node: int | None = None
-    gpus_per_task: int | None = None
-    additional_parameters: dict = field(default_factory=dict)
-    driver_host: str = "auto"  # where SLURM ranks reach the driver; auto: see slurm_ranks.driver_address
-    requeue: bool = False  # a job SLURM signals (time limit, preemption) saves, and the run goes on in a new one
-    max_requeue: int = 3
-    signal_delay_s: int = 90  # SLURM signals the ranks this long before the time limit
+    cpus_per_task: int  # also each rank's torch thread count
+    port: int | None  # the driver's rendezvous port; None: any free port
+    partition: str | None
+    time_min: int | None
+    nodes: int
+    tasks_per_node: int | None
+    gpus_per_task: int | None
+    additional_parameters: dict
+    driver_host: str | None  # where SLURM ranks reach the driver; auto: see launch.slurm.driver_address; None: not SLURM
+    requeue: bool  # a job SLURM signals (time limit, preemption) saves, and the run goes on in a new one
+    max_requeue: int
+    signal_delay_s: int | None  # SLURM signals the ranks this long before the time limit
 
 
 FSDP_RESHARD = ("step", "microbatch")  # when FSDP reshards and reduce-scatters under a pipeline schedule
@@ -78,12 +79,12 @@ FSDP_PARAM_DTYPES = ("float32", "bfloat16")  # what FSDP gathers under train.pre
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    dp: int = 1
-    tp: int = 1
-    fsdp: bool = True
-    fsdp_reshard: str = "step"  # step: torch's (one reduce-scatter a step); microbatch: a shard's memory
-    fsdp_unit_mib: float | None = None  # None: one FSDP unit per block; else units of at most this many MiB
-    fsdp_param_dtype: str = "float32"  # bfloat16: FSDP gathers bf16 parameters (train.precision=bf16 only)
+    dp: int
+    tp: int
+    fsdp: bool
+    fsdp_reshard: str  # step: torch's (one reduce-scatter a step); microbatch: a shard's memory
+    fsdp_unit_mib: float | None  # None: one FSDP unit per block; else units of at most this many MiB
+    fsdp_param_dtype: str  # bfloat16: FSDP gathers bf16 parameters (train.precision=bf16 only)
 
     @property
     def fsdp_unit_bytes(self) -> int | None:
@@ -101,13 +102,13 @@ class ParallelSpec:
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    save: bool = False
-    dir: str | None = None  # absolute; None: checkpoint/ in the run folder
-    overwrite: bool = False
-    load: str | None = None  # a checkpoint folder, or "auto": the newest step folder under dir
-    hf: bool = False
-    every: int | None = None  # a step folder under dir every N steps (and at the end)
-    keep: int | None = None  # the newest K step folders kept; None: all
+    save: bool
+    dir: str | None  # absolute; None: checkpoint/ in the run folder
+    overwrite: bool
+    load: str | None  # a checkpoint folder, or "auto": the newest step folder under dir
+    hf: bool
+    every: int | None  # a step folder under dir every N steps (and at the end)
+    keep: int | None  # the newest K step folders kept; None: all
 
     @property
     def auto(self) -> bool:
@@ -116,14 +117,14 @@ class CheckpointSpec:
 
 @dataclass(frozen=True)
 class DebugSpec:
-    crash_rank: int | None = None
-    crash_step: int | None = None
-    crash_mode: str = "raise"
-    check_ties: bool = False
-    return_state: bool = False
-    pause_at: str | None = None  # a driver phase to wait in (see ppsplit.faults.pause)
-    pause_mode: str = "sleep"
-    defect: str | None = None  # a defect the ranks inject (see ppsplit.faults.DEFECTS)
+    crash_rank: int | None
+    crash_step: int | None
+    crash_mode: str
+    check_ties: bool
+    return_state: bool
+    pause_at: str | None  # a driver phase to wait in (see ppsplit.faults.pause)
+    pause_mode: str
+    defect: str | None  # a defect the ranks inject (see ppsplit.faults.DEFECTS)
 
 
 @dataclass(frozen=True)
@@ -146,13 +147,14 @@ class JobSpec:
     tolerance: float
     tie_tolerance: float
     timeout_s: float
-    seq_lens: tuple[int, ...] = ()  # per-step sequence lengths, cycled; () : every step at seq_len
-    dropout: bool = False  # keep the model's dropout (masks aligned with the unsplit model's)
-    data: DataSpec = field(default_factory=DataSpec)
-    train: TrainSpec = field(default_factory=TrainSpec)
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    metrics: MetricsSpec = field(default_factory=MetricsSpec)
-    verify: VerifySpec = field(default_factory=VerifySpec)
+    seq_lens: tuple[int, ...]  # per-step sequence lengths, cycled; () : every step at seq_len
+    dropout: bool  # keep the model's dropout (masks aligned with the unsplit model's)
+    data: DataSpec
+    train: TrainSpec
+    eval: EvalSpec
+    metrics: MetricsSpec
+    verify: VerifySpec
+    peft: PeftSpec
 
     @property
     def plan(self) -> RankPlan:
@@ -249,13 +251,13 @@ def from_config(cfg, overrides=None) -> JobSpec:
     launcher = _launcher_spec(cfg)
     optimizer = _optimizer_spec(cfg)
     parallel = ParallelSpec(
-        dp=integer("parallel.dp", get(cfg, "parallel.dp", 1), 1),
-        tp=integer("parallel.tp", get(cfg, "parallel.tp", 1), 1),
-        fsdp=boolean("parallel.fsdp", get(cfg, "parallel.fsdp", True)),
-        fsdp_reshard=choice("parallel.fsdp_reshard", get(cfg, "parallel.fsdp_reshard", "step"), FSDP_RESHARD),
+        dp=integer("parallel.dp", get(cfg, "parallel.dp"), 1),
+        tp=integer("parallel.tp", get(cfg, "parallel.tp"), 1),
+        fsdp=boolean("parallel.fsdp", get(cfg, "parallel.fsdp")),
+        fsdp_reshard=choice("parallel.fsdp_reshard", get(cfg, "parallel.fsdp_reshard"), FSDP_RESHARD),
         fsdp_unit_mib=(None if get(cfg, "parallel.fsdp_unit_mib") is None
                        else number("parallel.fsdp_unit_mib", get(cfg, "parallel.fsdp_unit_mib"), 0.0, exclusive=True)),
-        fsdp_param_dtype=choice("parallel.fsdp_param_dtype", get(cfg, "parallel.fsdp_param_dtype", "float32"),
+        fsdp_param_dtype=choice("parallel.fsdp_param_dtype", get(cfg, "parallel.fsdp_param_dtype"),
                                 FSDP_PARAM_DTYPES),
     )
     if parallel.fsdp_param_dtype == "bfloat16" and not bf16:
@@ -274,12 +276,15 @@ def from_config(cfg, overrides=None) -> JobSpec:
                    debug=debug, stages=stages, microbatches=microbatches, batch_size=batch_size,
                    seq_len=seq_len, seed=seed, steps=steps, tolerance=tolerance,
                    tie_tolerance=tie_tolerance, timeout_s=timeout_s, seq_lens=seq_lens or (),
-                   dropout=boolean("dropout", get(cfg, "dropout", False)), data=data_spec(cfg), train=train,
-                   eval=eval_spec(cfg), metrics=metrics_spec(cfg), verify=verify_spec(cfg))
+                   dropout=boolean("dropout", get(cfg, "dropout")), data=data_spec(cfg), train=train,
+                   eval=eval_spec(cfg), metrics=metrics_spec(cfg), verify=verify_spec(cfg), peft=peft_spec(cfg))
     if spec.steps == 0 and checkpoint.save:
         raise PpsplitError("checkpoint.save=true with steps=0: nothing is trained; allowed: steps >= 1")
     if checkpoint.hf and not checkpoint.save:
         raise PpsplitError("checkpoint.hf=true needs checkpoint.save=true")
+    if spec.peft.merge and not checkpoint.hf:
+        raise PpsplitError("peft.merge=true writes the merged model beside the adapter folder; allowed: "
+                           "checkpoint.save=true checkpoint.hf=true with it")
     return spec
 
 
@@ -306,8 +311,8 @@ def _model_spec(cfg, overrides=None) -> ModelSpec:
             raise PpsplitError(f"model={name} needs model.model_class (a transformers class, e.g. "
                                "model.model_class=Qwen2ForCausalLM) or model.pretrained=DIR")
         class_name = class_from_pretrained(pretrained)
-    inputs = choice("model.inputs", get(cfg, "model.inputs", "auto") or "auto", ("auto",) + TASKS)
-    loss = choice("model.loss", get(cfg, "model.loss", "auto") or "auto", ("auto",) + TASKS)
+    inputs = choice("model.inputs", get(cfg, "model.inputs") or "auto", ("auto",) + TASKS)
+    loss = choice("model.loss", get(cfg, "model.loss") or "auto", ("auto",) + TASKS)
     inputs = task_of(class_name) if inputs == "auto" else inputs
     loss = task_of(class_name) if loss == "auto" else loss
     call_kwargs = get(cfg, "model.call_kwargs")
@@ -325,7 +330,7 @@ def _model_spec(cfg, overrides=None) -> ModelSpec:
         class_name=class_name,
         config=config,
         pretrained=pretrained,
-        init=choice("model.init", get(cfg, "model.init", "auto") or "auto", INITS),
+        init=choice("model.init", get(cfg, "model.init") or "auto", INITS),
         inputs=inputs,
         loss=loss,
         call_kwargs=mapping("model.call_kwargs", call_kwargs),
@@ -345,17 +350,18 @@ def _split_spec(cfg) -> SplitSpec:
         if not isinstance(points, list) or not points or not all(isinstance(p, str) and p for p in points):
             raise PpsplitError(f"split.points={points!r}: must be a non-empty list of module FQNs, "
                                "e.g. [transformer.h.2]")
-        return SplitSpec("manual", points=tuple(points))
+        return SplitSpec("manual", points=tuple(points), layers=None, first_stage_less=0, last_stage_less=0)
     if strategy == "layers":
         layers = get(cfg, "split.layers")
         if layers is not None:
             if not isinstance(layers, list) or not layers:
                 raise PpsplitError(f"split.layers={layers!r}: must be a list of block counts, e.g. [3,4,4,3]")
             layers = tuple(integer("split.layers[]", x, 1) for x in layers)
-        return SplitSpec("layers", layers=layers,
-                         first_stage_less=integer("split.first_stage_less", get(cfg, "split.first_stage_less", 0) or 0, 0),
-                         last_stage_less=integer("split.last_stage_less", get(cfg, "split.last_stage_less", 0) or 0, 0))
-    return SplitSpec(strategy)
+        return SplitSpec("layers", points=None, layers=layers,
+                         first_stage_less=integer("split.first_stage_less", get(cfg, "split.first_stage_less") or 0, 0),
+                         last_stage_less=integer("split.last_stage_less", get(cfg, "split.last_stage_less") or 0, 0))
+    # The other strategies take no points, counts or shares: 0 fewer blocks is the plain even share.
+    return SplitSpec(strategy, points=None, layers=None, first_stage_less=0, last_stage_less=0)
 
 
 def _launcher_spec(cfg) -> LauncherSpec:
@@ -363,21 +369,22 @@ def _launcher_spec(cfg) -> LauncherSpec:
     port = opt_integer("launcher.port", get(cfg, "launcher.port"), 1)
     if port is not None and port > 65535:
         raise PpsplitError(f"launcher.port={port}: allowed: 1 to 65535, or null for any free port")
+    slurm = name == "slurm"  # the keys of SLURM's jobs are in conf/launcher/slurm.yaml alone
     return LauncherSpec(
         name=name,
-        cpus_per_task=integer("launcher.cpus_per_task", get(cfg, "launcher.cpus_per_task", 1), 1),
+        cpus_per_task=integer("launcher.cpus_per_task", get(cfg, "launcher.cpus_per_task"), 1),
         port=port,
         partition=text("launcher.partition", get(cfg, "launcher.partition")),
         time_min=opt_integer("launcher.time_min", get(cfg, "launcher.time_min"), 1),
-        nodes=integer("launcher.nodes", get(cfg, "launcher.nodes", 1), 1),
+        nodes=integer("launcher.nodes", get(cfg, "launcher.nodes"), 1) if slurm else 1,  # one machine
         tasks_per_node=opt_integer("launcher.tasks_per_node", get(cfg, "launcher.tasks_per_node"), 1),
         gpus_per_task=opt_integer("launcher.gpus_per_task", get(cfg, "launcher.gpus_per_task"), 0),
         additional_parameters=mapping("launcher.additional_parameters",
                                        get(cfg, "launcher.additional_parameters")),
-        driver_host=text("launcher.driver_host", get(cfg, "launcher.driver_host", "auto")) or "auto",
-        requeue=boolean("launcher.requeue", get(cfg, "launcher.requeue", False)),
-        max_requeue=integer("launcher.max_requeue", get(cfg, "launcher.max_requeue", 3), 0),
-        signal_delay_s=integer("launcher.signal_delay_s", get(cfg, "launcher.signal_delay_s", 90), 1),
+        driver_host=(text("launcher.driver_host", get(cfg, "launcher.driver_host")) or AUTO) if slurm else None,
+        requeue=boolean("launcher.requeue", get(cfg, "launcher.requeue")) if slurm else False,
+        max_requeue=integer("launcher.max_requeue", get(cfg, "launcher.max_requeue"), 0) if slurm else 0,
+        signal_delay_s=integer("launcher.signal_delay_s", get(cfg, "launcher.signal_delay_s"), 1) if slurm else None,
     )
 
 
@@ -412,7 +419,7 @@ def _checkpoint_spec(cfg) -> CheckpointSpec:
     if keep is not None and every is None:
         raise PpsplitError(f"checkpoint.keep={keep} without checkpoint.every: there is one checkpoint only; "
                            "allowed: checkpoint.every=N with it")
-    overwrite = boolean("checkpoint.overwrite", get(cfg, "checkpoint.overwrite", False))
+    overwrite = boolean("checkpoint.overwrite", get(cfg, "checkpoint.overwrite"))
     if every is not None and overwrite:
         raise PpsplitError("checkpoint.overwrite=true with checkpoint.every: step folders are never replaced; "
                            "allowed: checkpoint.load=auto to go on from the newest, or a new checkpoint.dir")
@@ -420,11 +427,11 @@ def _checkpoint_spec(cfg) -> CheckpointSpec:
         raise PpsplitError("checkpoint.load=auto resumes from the step folders checkpoint.every writes under "
                            "checkpoint.dir; allowed: checkpoint.every=N and checkpoint.dir=DIR with it")
     return CheckpointSpec(
-        save=every is not None or boolean("checkpoint.save", get(cfg, "checkpoint.save", False)),
+        save=every is not None or boolean("checkpoint.save", get(cfg, "checkpoint.save")),
         dir=os.path.abspath(os.path.expanduser(directory)) if directory else None,
         overwrite=overwrite,
         load=AUTO if load == AUTO else os.path.abspath(os.path.expanduser(load)) if load else None,
-        hf=boolean("checkpoint.hf", get(cfg, "checkpoint.hf", False)),
+        hf=boolean("checkpoint.hf", get(cfg, "checkpoint.hf")),
         every=every, keep=keep,
     )
 
@@ -433,12 +440,12 @@ def _debug_spec(cfg) -> DebugSpec:
     return DebugSpec(
         crash_rank=opt_integer("debug.crash_rank", get(cfg, "debug.crash_rank"), 0),
         crash_step=opt_integer("debug.crash_step", get(cfg, "debug.crash_step"), 0),
-        crash_mode=choice("debug.crash_mode", get(cfg, "debug.crash_mode", "raise"), CRASH_MODES),
-        check_ties=boolean("debug.check_ties", get(cfg, "debug.check_ties", False)),
-        return_state=boolean("debug.return_state", get(cfg, "debug.return_state", False)),
+        crash_mode=choice("debug.crash_mode", get(cfg, "debug.crash_mode"), CRASH_MODES),
+        check_ties=boolean("debug.check_ties", get(cfg, "debug.check_ties")),
+        return_state=boolean("debug.return_state", get(cfg, "debug.return_state")),
         pause_at=None if get(cfg, "debug.pause_at") is None else
         choice("debug.pause_at", get(cfg, "debug.pause_at"), DRIVER_PHASES),
-        pause_mode=choice("debug.pause_mode", get(cfg, "debug.pause_mode", "sleep"), PAUSE_MODES),
+        pause_mode=choice("debug.pause_mode", get(cfg, "debug.pause_mode"), PAUSE_MODES),
         defect=None if get(cfg, "debug.defect") is None else choice("debug.defect", get(cfg, "debug.defect"), DEFECTS),
     )
 

@@ -32,7 +32,8 @@ import os
 import numpy as np
 import torch
 
-from ppsplit.models.build import IGNORE, Batch, make_batch
+from ppsplit.config.tasks import IGNORE
+from ppsplit.data.batch import Batch, make_batch
 from ppsplit.errors import PpsplitError
 from ppsplit.config.train_spec import DataSpec
 
@@ -95,7 +96,9 @@ def fingerprint(spec: DataSpec, files: list[str], tok_folder: str, seq_len: int,
     """What the packed blocks depend on: the files (path, size, time), the tokenizer's files
     (contents) and the settings."""
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT, spec.name, spec.field, spec.sample_by, spec.val_fraction, seq_len, seed]).encode())
+    # sample_by applies to text files alone; the others' caches were keyed with "paragraph" and stay so
+    settings = [FORMAT, spec.name, spec.field, spec.sample_by or "paragraph", spec.val_fraction, seq_len, seed]
+    h.update(json.dumps(settings + ([vars(spec.sft)] if spec.sft else [])).encode())
     for path in files:
         st = os.stat(path)
         h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -122,10 +125,14 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
     if len(tokenizer) > vocab_size:
         raise PpsplitError(f"data.tokenizer={folder!r} has {len(tokenizer)} tokens, more than the model's "
                            f"vocab_size={vocab_size}; allowed: model.config.vocab_size >= {len(tokenizer)}")
-    separator = separator_of(tokenizer)
     path = os.path.join(cache_folder(spec), f"packed-{fingerprint(spec, files, folder, seq_len, seed)}.npz")
-    if not os.path.isfile(path):
-        _pack_corpus(spec, files, tokenizer, separator, seq_len, seed, path, progress, folder)
+    if not os.path.isfile(path) and spec.sft:
+        from ppsplit.data.sft import prepare_sft
+
+        arrays, meta = prepare_sft(spec, tokenizer, files, seq_len, seed, os.path.join(cache_folder(spec), "datasets"))
+        _write(path, arrays, {**meta, "files": files, "tokenizer": folder})
+    elif not os.path.isfile(path):
+        _pack_corpus(spec, files, tokenizer, separator_of(tokenizer), seq_len, seed, path, progress, folder)
     if batch_size:
         with np.load(path) as f:
             held_out = len(f["val"])
@@ -150,14 +157,19 @@ def _pack_corpus(spec, files, tokenizer, separator, seq_len, seed, path, progres
     if spec.val_fraction > 0 and not len(val):
         raise PpsplitError(f"data.val_fraction={spec.val_fraction}: the held-out documents fill no block of "
                            f"seq_len={seq_len}; allowed: a larger fraction, a smaller seq_len, or 0")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _write(path, {"train": train, "val": val},
+           {"files": files, "tokenizer": folder, "documents": len(docs), "val_documents": n_val,
+            "mask_token_id": tokenizer.mask_token_id, "unk_token_id": tokenizer.unk_token_id})
+
+
+def _write(path: str, arrays: dict, meta: dict) -> None:
+    """The cache file, whole or not at all."""
     from ppsplit.output import atomic_path
 
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
-            np.savez(f, train=train, val=val, meta=np.array(json.dumps(
-                {"files": files, "tokenizer": folder, "documents": len(docs), "val_documents": n_val,
-                 "mask_token_id": tokenizer.mask_token_id, "unk_token_id": tokenizer.unk_token_id})))
+            np.savez(f, **arrays, meta=np.array(json.dumps(meta)))
 
 
 def _documents(spec: DataSpec, files: list[str], tokenizer, progress: bool) -> list[np.ndarray]:
@@ -201,8 +213,10 @@ class TokenBlocks:
 
     def __init__(self, path: str, seed: int):
         with np.load(path) as f:
-            self.train, self.val = f["train"], f["val"]
+            self.arrays = {k: f[k] for k in f.files if k != "meta"}  # data=sft: labels and positions too
             self.meta = json.loads(str(f["meta"]))
+        self.train, self.val = self.arrays["train"], self.arrays["val"]
+        self.sft = "train_labels" in self.arrays
         self.seed = seed
         self._perms: dict[int, np.ndarray] = {}
 
@@ -211,11 +225,16 @@ class TokenBlocks:
             self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.train))}
         return self._perms[epoch]
 
-    def samples(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Blocks ``first`` .. ``first + count - 1`` of the training stream, and their indices."""
+    def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of samples ``first`` .. ``first + count - 1`` of the training stream, and
+        their indices."""
         index = np.arange(first, first + count)
         n = len(self.train)
-        rows = np.array([self._perm(int(i) // n)[int(i) % n] for i in index])
+        return np.array([self._perm(int(i) // n)[int(i) % n] for i in index]), index
+
+    def samples(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks ``first`` .. ``first + count - 1`` of the training stream, and their indices."""
+        rows, index = self.rows(first, count)
         return self.train[rows], index
 
 
@@ -286,6 +305,11 @@ class BatchSource:
         if self.blocks is None:
             return make_batch(m.inputs, self.config, spec.batch_size, seq_len or spec.seq_len, spec.seed,
                               step=index, call_kwargs=m.call_kwargs, padded=spec.data.padded)
+        if self.blocks.sft:
+            from ppsplit.data.sft import sft_inputs
+
+            return sft_inputs(self.blocks.arrays, "train", self.blocks.rows(self.sample_of(index), spec.batch_size)[0],
+                              m.call_kwargs)
         return self._inputs(*self.blocks.samples(self.sample_of(index), spec.batch_size))
 
     def sample_of(self, index: int) -> int:
@@ -303,7 +327,12 @@ class BatchSource:
         out = []
         for i in range(min(count, len(val) // b)):
             ids = np.arange(i * b, (i + 1) * b)
-            out.append(self._inputs(val[ids], -1 - ids))  # masks of their own: negative sample ids
+            if self.blocks.sft:
+                from ppsplit.data.sft import sft_inputs
+
+                out.append(sft_inputs(self.blocks.arrays, "val", ids, m.call_kwargs))
+            else:
+                out.append(self._inputs(val[ids], -1 - ids))  # masks of their own: negative sample ids
         return out
 
     def _inputs(self, tokens, sample_ids) -> Batch:

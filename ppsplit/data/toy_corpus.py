@@ -1,11 +1,14 @@
 """A corpus and a tokenizer to try ``data=text`` with, made here, with nothing downloaded:
 
-    python -m ppsplit.data.toy_corpus DIR [--kb 300] [--vocab 1000]
+    python -m ppsplit.data.toy_corpus DIR [--kb 300] [--vocab 1000] [--chat 0]
 
 writes ``DIR/corpus.txt`` (the docstrings of Python's own standard library, one paragraph per
 document, about ``--kb`` kilobytes) and ``DIR/tokenizer/`` (a byte-level BPE of ``--vocab``
 tokens trained on it with the ``tokenizers`` library, saved as a transformers tokenizer folder
-with EOS, UNK, PAD and MASK tokens, so causal, masked and encoder-decoder models can all use it).
+with EOS, UNK, PAD and MASK tokens, so causal, masked and encoder-decoder models can all use it,
+and a small chat template). With ``--chat N``, also ``DIR/chat.jsonl`` (N conversations: a
+system line, a user asking to repeat a phrase of the corpus backwards, the assistant's answer)
+and ``DIR/prompts.jsonl`` (the same as prompt/completion records), to try ``data=sft`` with.
 """
 
 from __future__ import annotations
@@ -48,8 +51,28 @@ def docstrings(limit_bytes: int) -> list[str]:
     return paragraphs
 
 
-def make(folder: str, kb: int = 300, vocab: int = 1000) -> tuple[str, str]:
-    """Write the corpus and the tokenizer under ``folder``; returns their paths."""
+# A chat template of the usual shape (a header per turn, an end token after each), without
+# {% generation %} markers, as most shipped templates are.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def chat_records(paragraphs: list[str], count: int) -> tuple[list[dict], list[dict]]:
+    """``count`` conversations and as many prompt/completion records: reverse a short phrase."""
+    phrases = [" ".join(p.split()[i:i + 4]) for p in paragraphs for i in range(0, 12, 4) if len(p.split()) >= i + 4]
+    chats, prompts = [], []
+    for phrase in phrases[:count]:
+        answer = " ".join(reversed(phrase.split()))
+        chats.append({"messages": [{"role": "system", "content": "You answer briefly."},
+                                   {"role": "user", "content": f"Reverse: {phrase}"},
+                                   {"role": "assistant", "content": answer}]})
+        prompts.append({"prompt": f"Reverse: {phrase}\nAnswer:", "completion": f" {answer}"})
+    return chats, prompts
+
+
+def make(folder: str, kb: int = 300, vocab: int = 1000, chat: int = 0) -> tuple[str, str]:
+    """Write the corpus and the tokenizer under ``folder`` (and ``chat`` chat and prompt records);
+    returns the corpus's and the tokenizer's paths."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,8 +90,16 @@ def make(folder: str, kb: int = 300, vocab: int = 1000) -> tuple[str, str]:
     tokenizer.train([corpus], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>",
                                    pad_token="<pad>", mask_token="<mask>")
+    fast.chat_template = CHAT_TEMPLATE
     path = os.path.join(folder, "tokenizer")
     fast.save_pretrained(path)
+    if chat:
+        import json
+
+        chats, prompts = chat_records(paragraphs, chat)
+        for name, records in (("chat.jsonl", chats), ("prompts.jsonl", prompts)):
+            with open(os.path.join(folder, name), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
     return corpus, path
 
 
@@ -77,9 +108,12 @@ def main(argv=None) -> None:
     parser.add_argument("folder")
     parser.add_argument("--kb", type=int, default=300, help="the corpus's size in kilobytes (default 300)")
     parser.add_argument("--vocab", type=int, default=1000, help="the tokenizer's vocabulary (default 1000)")
+    parser.add_argument("--chat", type=int, default=0, help="also this many chat and prompt records (default 0)")
     args = parser.parse_args(argv)
-    corpus, tokenizer = make(args.folder, args.kb, args.vocab)
-    print(f"corpus: {corpus} ({os.path.getsize(corpus) / 1024:.0f} KB); tokenizer: {tokenizer}")
+    corpus, tokenizer = make(args.folder, args.kb, args.vocab, args.chat)
+    print(f"corpus: {corpus} ({os.path.getsize(corpus) / 1024:.0f} KB); tokenizer: {tokenizer}"
+          + (f"; chat: {os.path.join(args.folder, 'chat.jsonl')}, {os.path.join(args.folder, 'prompts.jsonl')}"
+             if args.chat else ""))
 
 
 if __name__ == "__main__":

@@ -371,6 +371,13 @@ def _become(message: dict, launcher_pid: int) -> None:
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+        import gc
+
+        # What the parent held and let go (its streams, their log files, garbage in a cycle)
+        # still names descriptors closed above: collected now, each closes a number nothing uses.
+        # Later, a collection would close whatever this process had opened under that number
+        # since (a rank's TCPStore connection, seen as "Bad file descriptor").
+        gc.collect()
         import importlib
 
         module = importlib.import_module(message["module"])

@@ -4,7 +4,12 @@ a rank gets the values the whole model would."""
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+# What peft adds to a wrapped module's names (the adapters themselves keep theirs).
+_PEFT_PARTS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.|$)")
 
 
 # Random in-place fills (Tensor methods and torch.nn.init functions) that take a generator.
@@ -47,7 +52,7 @@ def initialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     names: dict[int, str] = {}
     for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
             model.named_buffers(remove_duplicate=False)):
-        names.setdefault(id(tensor), name)
+        names.setdefault(id(tensor), base_key(name))  # an adapted model's base: as when built before them
     for module in model.modules():
         module._is_hf_initialized = False
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
@@ -57,3 +62,11 @@ def initialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         model.initialize_weights()
         model.tie_weights()
     return model
+
+
+def base_key(fqn: str) -> str:
+    """The name a tensor of a peft-adapted model has in the base model (and in the base's own
+    checkpoint); other names are their own."""
+    if not fqn.startswith("base_model.model."):
+        return fqn
+    return _PEFT_PARTS.sub("", fqn.removeprefix("base_model.model."))

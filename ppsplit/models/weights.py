@@ -30,22 +30,23 @@ def checkpoint_weight_map(folder: str) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}
 
 
-def read_checkpoint_parts(folder: str, requests, tie_groups=(), weight_map: dict | None = None
-                          ) -> list[torch.Tensor | None]:
+def read_checkpoint_parts(folder: str, requests, tie_groups=(), weight_map: dict | None = None,
+                          rename=None) -> list[torch.Tensor | None]:
     """For each ``(fqn, index)`` of ``requests``, that tensor of the checkpoint, or only
     ``tensor[index]`` (a tuple of slices: a rank's shard) read alone from the file; None where the
     checkpoint does not hold it (the model's initialisation stands). A tied name missing from the
     file (``save_pretrained`` writes one name per tied tensor) is read under another name of its
-    group. ``weight_map``: :func:`checkpoint_weight_map`'s, when the caller reads it once."""
+    group. ``weight_map``: :func:`checkpoint_weight_map`'s, when the caller reads it once.
+    ``rename``: a name's key in the checkpoint, where they differ (an adapted model's base)."""
     from safetensors import safe_open
 
     folder = os.path.expanduser(str(folder))
     weight_map = checkpoint_weight_map(folder) if weight_map is None else weight_map
     alias = {k: g for g in tie_groups for k in g}
     by_file: dict[str, list[tuple[int, str, tuple | None]]] = {}
+    key = rename or (lambda name: name)
     for n, (fqn, index) in enumerate(requests):
-        source = fqn if fqn in weight_map else next(
-            (k for k in alias.get(fqn, ()) if k in weight_map), None)
+        source = next((key(k) for k in (fqn, *alias.get(fqn, ())) if key(k) in weight_map), None)
         if source is not None:
             by_file.setdefault(weight_map[source], []).append((n, source, index))
     out: list[torch.Tensor | None] = [None] * len(requests)

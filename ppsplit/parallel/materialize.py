@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ppsplit.models import weights
+from ppsplit.models.adapters import base_key, init_adapters, is_adapted
 from ppsplit.models.init import initialize
 from ppsplit.stages.code import retarget_devices, same_kind
 
@@ -67,21 +68,24 @@ def materialize_stages(model, split, indices, seed: int, pretrained: str | None,
     if unknown:
         raise RuntimeError(f"no value for {', '.join(unknown[:5])}: not a tensor of the model")
     weight_map = weights.checkpoint_weight_map(pretrained) if pretrained else None  # read once
+    rename = base_key if is_adapted(model) else None  # the adapters are not in it; the base is, by its own names
     for fqns in _groups(by_fqn, split.blocks):
-        _fill(model, fqns, by_fqn, seed, pretrained, split.tie_groups, weight_map)
+        _fill(model, fqns, by_fqn, seed, pretrained, split.tie_groups, weight_map, rename)
     for stage in stages.values():
         retarget_devices(stage, device)
     return stages
 
 
 @torch.no_grad()
-def _fill(model, fqns, by_fqn, seed, pretrained, tie_groups, weight_map) -> None:
+def _fill(model, fqns, by_fqn, seed, pretrained, tie_groups, weight_map, rename=None) -> None:
     """One block: real in ``model``, initialised (or read), copied into the stages' local
     parts, and on meta again; nothing of it outlives the call."""
     move_tensors(model, fqns, INIT_DEVICE)
     initialize(model, seed)
+    if is_adapted(model):  # the model's own pass reached its adapters too: peft's start, per FQN
+        init_adapters(model, seed)
     whole = _named_tensors_dict(model)
-    read = _checkpoint_parts(pretrained, fqns, by_fqn, tie_groups, weight_map) if pretrained else {}
+    read = _checkpoint_parts(pretrained, fqns, by_fqn, tie_groups, weight_map, rename) if pretrained else {}
     for fqn in fqns:
         for tensor in by_fqn[fqn]:
             part = read.get((fqn, id(tensor)))
@@ -172,10 +176,12 @@ def shard_slices(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _checkpoint_parts(folder: str, fqns, by_fqn, tie_groups, weight_map) -> dict[tuple[str, int], torch.Tensor]:
+def _checkpoint_parts(folder: str, fqns, by_fqn, tie_groups, weight_map, rename=None
+                      ) -> dict[tuple[str, int], torch.Tensor]:
     """This rank's parts of the named tensors that the checkpoint holds, by (FQN, id of the
     stage tensor): a shard's rows or columns read alone, a strided shard read whole and cut."""
     wanted = [(fqn, tensor, shard_slices(tensor)) for fqn in fqns for tensor in by_fqn[fqn]]
-    got = weights.read_checkpoint_parts(folder, [(fqn, index) for fqn, _, index in wanted], tie_groups, weight_map)
+    got = weights.read_checkpoint_parts(folder, [(fqn, index) for fqn, _, index in wanted], tie_groups, weight_map,
+                                        rename)
     return {(fqn, id(tensor)): value if index is not None else local_part(tensor, value)
             for (fqn, tensor, index), value in zip(wanted, got) if value is not None}

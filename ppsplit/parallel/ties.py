@@ -132,6 +132,8 @@ class TieSync:
         for e in self.entries:
             if len(e["local"]) == 1 and e["group"] is None:
                 continue  # one tensor in one stage: nothing to synchronise
+            if not e["local"][0].requires_grad:
+                continue  # frozen (an adapted model's base): no gradient anywhere
             for t in e["local"]:
                 if t.grad is None:
                     t.grad = torch.zeros_like(t)

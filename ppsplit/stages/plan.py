@@ -1,7 +1,7 @@
 """Choose where stages begin: by block counts, or balanced by parameters or FLOPs.
 
 The candidate cut points are the starts of the model's repeated blocks and, for ``params`` and
-``flops``, the first module after the last block (``split_points.unit_starts``). The graph between
+``flops``, the first module after the last block (``stages.points.unit_starts``). The graph between
 two cut points is one *unit*; the first unit also carries what runs before the first block
 (embeddings, masks, rotary tables) and the last is the final norm, the head and the loss (or,
 for ``even`` and ``layers``, the last block with them). A strategy's stages are contiguous

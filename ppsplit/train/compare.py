@@ -190,11 +190,10 @@ def _train_reference(spec, model, reference_model, split, source, loss_fn, load,
         return None
     if any(p.is_meta for p in model.parameters()):
         # The unsplit reference needs the whole model in memory: only when it is small.
-        m = spec.model
         size = sum(p.numel() for p in model.parameters())  # a tied tensor once
         if size > build.INIT_THRESHOLD_PARAMS:
             return None
-        reference_model = build.build_model(m.class_name, m.config, m.pretrained, spec.seed, spec.dropout)
+        reference_model = build.model_of(spec)
     apply_activation_checkpointing(reference_model, checkpoint_pattern(spec.train.activation_checkpointing,
                                                                        split.blocks))
     handles = masks.on_model(reference_model, split.points) if masks is not None else []

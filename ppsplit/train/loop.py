@@ -193,8 +193,8 @@ def train_in_process(forward, modules, source, spec, microbatches: int | None, l
         return evaluate_in_process(forward, source, spec, microbatches, loss_fn, device_type, masks, start_step + k)
 
     evals = eval_indices(steps, spec.eval.every) if spec.eval.batches else set()
-    stats, diverged, val = _run_steps(stepper, modules, steps, start_step, evals, evaluate, masks, on_step,
-                                      after_step, optimizer)
+    stats, diverged, val = run_steps(stepper, modules, steps, start_step, evals, evaluate, masks,
+                                     _InProcessHooks(on_step, after_step, optimizer))
     return _training_result(stats, diverged, val, stepper, modules, initial, optimizer, start_step)
 
 
@@ -218,7 +218,7 @@ def _in_process_stepper(forward, modules, named: list, source, spec, microbatche
                         after_backward, optimizer, schedule, start_step: int, device_type: str) -> Stepper:
     """The :class:`Stepper` of an in-process run: each step's batches (as one without
     ``microbatches``) through ``forward`` and back, keeping the first step's gradients."""
-    from ppsplit.models.build import Batch
+    from ppsplit.data.batch import Batch
     from ppsplit.train.optim import grad_norm
 
     train = spec.train
@@ -243,26 +243,62 @@ def _in_process_stepper(forward, modules, named: list, source, spec, microbatche
                                       if p.grad is not None} for m in modules])
 
 
-def _run_steps(stepper: Stepper, modules, steps: int, start_step: int, evals: set[int], evaluate, masks,
-               on_step, after_step, optimizer) -> tuple[list[StepStats], dict | None, list[dict]]:
-    """Run ``steps`` optimizer steps, evaluating after those in ``evals``: each step's stats, the
-    divergence (None if every step was finite; the run stops at it) and the validation losses."""
+class StepHooks:
+    """What a training loop does around its steps beyond the step itself; each does nothing
+    here. The ranks' loop (:mod:`ppsplit.train.rank`) and the in-process one differ only in
+    these."""
+
+    def before(self, k: int) -> bool:
+        """Before step ``k``; False ends the run here (a stop agreed by the ranks)."""
+        return True
+
+    def stepped(self, k: int) -> None:
+        """Right after step ``k``'s optimizer step, diverged or not."""
+
+    def finished(self, k: int, result: StepStats, val: dict | None) -> None:
+        """Step ``k`` done and finite; ``val``: the evaluation after it (``{"step", "loss"}``),
+        if there was one."""
+
+    def between(self, step: int) -> None:
+        """After each step but the last, by the step count since the run began."""
+
+
+def run_steps(stepper: Stepper, modules, steps: int, start_step: int, evals: set[int], evaluate, masks,
+              hooks: StepHooks) -> tuple[list[StepStats], dict | None, list[dict]]:
+    """The one training loop: ``steps`` optimizer steps, evaluating after those in ``evals``;
+    each step's stats, the divergence (None if every step was finite; the run stops at it) and
+    the validation losses."""
     stats, diverged, val = [], None, []
     for k in range(steps):
         if masks is not None:
             masks.start_step(start_step + k)
+        if not hooks.before(k):
+            break
         result = stepper.step(k)
+        hooks.stepped(k)
         if result is None:
             diverged = _divergence(k, stepper.last_loss, modules)
             break
         stats.append(result)
         if k in evals:
             val.append({"step": k + 1, "loss": evaluate(k)})
-        if on_step is not None:
-            on_step(k + 1, result, val[-1]["loss"] if k in evals else None)
-        if after_step is not None and k < steps - 1:
-            after_step(start_step + k + 1, optimizer)
+        hooks.finished(k, result, val[-1] if k in evals else None)
+        if k < steps - 1:
+            hooks.between(start_step + k + 1)
     return stats, diverged, val
+
+
+class _InProcessHooks(StepHooks):
+    def __init__(self, on_step, after_step, optimizer):
+        self.on_step, self.after_step, self.optimizer = on_step, after_step, optimizer
+
+    def finished(self, k: int, result: StepStats, val: dict | None) -> None:
+        if self.on_step is not None:
+            self.on_step(k + 1, result, val["loss"] if val is not None else None)
+
+    def between(self, step: int) -> None:
+        if self.after_step is not None:
+            self.after_step(step, self.optimizer)
 
 
 def _divergence(k: int, loss: float | None, modules) -> dict:
@@ -296,16 +332,30 @@ def _training_result(stats: list[StepStats], diverged: dict | None, val: list[di
     }
 
 
-@torch.no_grad()
 def evaluate_in_process(forward, source, spec, microbatches, loss_fn, device_type, masks=None, step=0) -> float:
     """The loss over every held-out token, forward only: the sum over the scored items of every
     held-out batch over their count (the ranks run the same batches through the stages)."""
+    def total_of(mb) -> float:
+        with precision_context(spec.train.precision, device_type):
+            return loss_fn.total(forward(*mb.args, **mb.kwargs), mb.labels).item()
+
+    total, count = held_out_sums(source, spec, loss_fn, masks, step, microbatches or 1, total_of)
+    return total / count if count else math.nan
+
+
+@torch.no_grad()
+def held_out_sums(source, spec, loss_fn, masks, step: int, microbatches: int, total_of, shard=None) -> tuple:
+    """The one evaluator: (the summed loss, the count of scored items) over the held-out
+    batches, each drawn with its own dropout masks, cut into ``microbatches`` (of this data-
+    parallel rank's ``shard``, (rank, size)) and given to ``total_of``, which runs them however
+    the stages run (None: this rank holds no loss). The count is the whole batch's, everywhere."""
     total, count = 0.0, 0
     for j, batch in enumerate(source.validation(spec.eval.batches)):
         if masks is not None:
             masks.start_step(-1 - j - 1000 * step)
         count += loss_fn.count(batch.labels)
-        for mb in batch.microbatches(microbatches or 1):
-            with precision_context(spec.train.precision, device_type):
-                total += loss_fn.total(forward(*mb.args, **mb.kwargs), mb.labels).item()
-    return total / count if count else math.nan
+        for mb in (batch if shard is None else batch.shard(*shard)).microbatches(microbatches):
+            got = total_of(mb)
+            if got is not None:
+                total += got
+    return total, count

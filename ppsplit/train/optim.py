@@ -37,7 +37,7 @@ def make_optimizer(spec: dict, named_params) -> torch.optim.Optimizer:
         raise PpsplitError(f"optimizer={name!r} is not known; allowed: {', '.join(OPTIMIZERS)}")
     seen, params = set(), []
     for fqn, p in named_params:
-        if id(p) not in seen:
+        if id(p) not in seen and p.requires_grad:  # an adapted model's base is frozen
             seen.add(id(p))
             params.append(p)
     groups = params

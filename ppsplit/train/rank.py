@@ -18,14 +18,14 @@ from ppsplit.train.objective import Objective, WeightedLoss
 from ppsplit.checkpoint.series import staging_path
 from ppsplit.faults import Faults
 from ppsplit.config.spec import JobSpec
-from ppsplit.parallel.stage_state import first_non_finite, full_tensors, gathered_state, local_bytes, median_after_first, peak_rss_bytes
+from ppsplit.parallel.stage_state import full_tensors, gathered_state, local_bytes, median_after_first, peak_rss_bytes
 from ppsplit.parallel.layout import average_grads
 from ppsplit.parallel.ties import separate_local_copies
 from ppsplit.config.schedules import SCHEDULES, stages_of_rank
 from ppsplit.parallel.ties import TieSync
 from ppsplit.train.recorder import Recorder
 from ppsplit.stages.trace import split as split_model
-from ppsplit.train.loop import (Stepper, apply_activation_checkpointing, checkpoint_pattern, counted_once,
+from ppsplit.train.loop import (StepHooks, Stepper, held_out_sums, run_steps, apply_activation_checkpointing, checkpoint_pattern, counted_once,
                               eval_indices, precision_context, step_batches)
 
 
@@ -64,7 +64,7 @@ def build_stages(spec: JobSpec, launch: dict, rank: int, device, channel, source
     pp_rank, dp_rank, tp_rank = layout.coords(rank)
     mesh = lay.device_mesh(layout, device.type) if layout.world > plan.ranks else None
     channel.report("building the model")
-    model = build.build_on_meta(m.class_name, m.config, m.pretrained, spec.dropout)
+    model = build.model_of(spec, meta=True)
     channel.report("tracing and splitting")
     example = source_of(model.config).batch(0).shard(dp_rank, layout.dp).microbatches(spec.microbatches)[0]
     on = trace_device(device)
@@ -150,8 +150,13 @@ def train_rank(spec: JobSpec, launch: dict, rank: int, world: int, device: torch
     """Build this rank's stages, train them ``spec.steps`` steps, and return what the driver
     compares and reports."""
     run = _RankRun(spec, launch, rank, device, channel)
-    run.train()
-    return run.result()
+    try:
+        run.train()
+        return run.result()
+    finally:
+        # The Stepper holds the run's methods, and the run the Stepper: the stages and schedules
+        # go now, before the process group is destroyed, not at some later collection.
+        run.__dict__.clear()
 
 
 class _RankRun:
@@ -277,45 +282,14 @@ class _RankRun:
         self.channel.checkpoint_saved(at)
 
     def train(self) -> None:
-        spec, start = self.spec, self.start_step
+        spec = self.spec
         evals = eval_indices(spec.steps, spec.eval.every) if spec.eval.batches else set()
-        for k in range(spec.steps):
-            self.channel.report("step", k)
-            if self.masks is not None:
-                self.masks.start_step(start + k)
-            self.faults.step_begins(k)
-            if self.agreed["stop"]:  # a stop signal, agreed in the last step's sums: save where training stands, and end
-                if start + k not in self.saved:
-                    self.save_step(start + k)
-                self.stopped = start + k
-                break
-            if not self._step(k, k in evals):
-                break
-            if self.series and k < spec.steps - 1 and (start + k + 1) % self.series["every"] == 0:  # the last: the final one
-                self.save_step(start + k + 1)
+        self.stats, self.diverged, self.val = run_steps(
+            self.stepper, list(self.modules.values()), spec.steps, self.start_step, evals,
+            lambda k: _evaluate(spec, self.source, self.r, self.rank_of_stage, self.objective, self.masks,
+                                self.device, self.start_step + k),
+            self.masks, _RankHooks(self))
 
-    def _step(self, k: int, evaluate: bool) -> bool:
-        """One step, told to the driver; False when it diverged."""
-        self.recorder.step_begin(k)
-        result = self.stepper.step(k)
-        self.recorder.step_end()
-        if result is None:
-            loss = self.stepper.last_loss
-            self.diverged = {"step": k, "loss": loss, "non_finite_loss": loss is not None and loss != loss,
-                             "non_finite_grad": first_non_finite((key, p) for st in self.modules.values()
-                                                                 for key, p in st.named_parameters())}
-            return False
-        self.stats.append(result)
-        if self.spec.debug.check_ties:
-            self.ties.check_equal(self.start_step + k)
-        if evaluate:
-            self.val.append({"step": k + 1, "loss": _evaluate(self.spec, self.source, self.r, self.rank_of_stage,
-                                                              self.objective, self.masks, self.device,
-                                                              self.start_step + k)})
-        self.channel.step_done(k, result.loss, {"lr": result.lr, "grad_norm": result.grad_norm,
-                                                "time_s": result.time_s,
-                                                **({"val_loss": self.val[-1]["loss"]} if evaluate else {})})
-        return True
 
     # --- what goes back to the driver ----------------------------------------------------------
 
@@ -356,8 +330,10 @@ class _RankRun:
 
     def _memory(self) -> dict:
         mine, modules, optimizers, device = self.mine, self.modules, self.optimizers, self.device
-        # The optimizers hold the parameters as this rank keeps them between steps (FSDP's shards).
+        # The optimizers hold the trained parameters as this rank keeps them between steps (FSDP's
+        # shards); an adapted model's frozen base is held beside them.
         held = [p for o in optimizers.values() for g in o.param_groups for p in g["params"]]
+        held += list({id(p): p for i in mine for p in modules[i].parameters() if not p.requires_grad}.values())
         return {
             "param_bytes": local_bytes(held),
             "stage_bytes": local_bytes(held) + local_bytes(b for i in mine for b in modules[i].buffers()),
@@ -368,44 +344,86 @@ class _RankRun:
         }
 
 
-@torch.no_grad()
+class _RankHooks(StepHooks):
+    """What a rank does around each step: it reports to the driver, injects its faults, stops
+    where the ranks agreed to (after saving), times the step, and saves every
+    ``checkpoint.every`` steps."""
+
+    def __init__(self, run: _RankRun):
+        self.run = run
+
+    def before(self, k: int) -> bool:
+        run = self.run
+        run.channel.report("step", k)
+        run.faults.step_begins(k)
+        if run.agreed["stop"]:  # a stop signal, agreed in the last step's sums: save where training stands, and end
+            if run.start_step + k not in run.saved:
+                run.save_step(run.start_step + k)
+            run.stopped = run.start_step + k
+            return False
+        run.recorder.step_begin(k)
+        return True
+
+    def stepped(self, k: int) -> None:
+        self.run.recorder.step_end()
+
+    def finished(self, k: int, result, val: dict | None) -> None:
+        run = self.run
+        if run.spec.debug.check_ties:
+            run.ties.check_equal(run.start_step + k)
+        run.channel.step_done(k, result.loss, {"lr": result.lr, "grad_norm": result.grad_norm,
+                                               "time_s": result.time_s,
+                                               **({"val_loss": val["loss"]} if val is not None else {})})
+
+    def between(self, step: int) -> None:
+        run = self.run
+        if run.series and step % run.series["every"] == 0:  # the last step's is the final checkpoint
+            run.save_step(step)
+
+
+
 def _evaluate(spec, source, r: RankStages, rank_of_stage, loss_fn, masks, device, step) -> float | None:
-    """The loss over every held-out token (:mod:`ppsplit.train.objective`), forward only: each microbatch through the stages
-    in order, a stage's outputs sent to the rank of the next (torch's zero-bubble schedules cannot
-    run without a backward, so evaluation does not go through the schedule). The loss is on the
-    ranks of the last stage; None elsewhere."""
+    """The loss over every held-out token (:func:`ppsplit.train.loop.held_out_sums`), forward
+    only: each microbatch through the stages in order, a stage's outputs sent to the rank of the
+    next (torch's zero-bubble schedules cannot run without a backward, so evaluation does not go
+    through the schedule). The loss is on the ranks of the last stage; None elsewhere."""
+    last = len(r.split.stages) - 1
+
+    def total_of(mb) -> float | None:
+        values = _forward_through_stages(spec, r, rank_of_stage, mb, device)
+        if last not in r.mine:
+            return None
+        with precision_context(spec.train.precision, device.type):
+            return loss_fn.total(values[0] if len(values) == 1 else values, mb.labels.to(device)).item()
+
+    total, count = held_out_sums(source, spec, loss_fn, masks, step, spec.microbatches, total_of,
+                                 shard=(r.coords[1], r.layout.dp))
+    # Each rank's part of the loss over every held-out token, dp times (the driver averages).
+    return total * r.layout.dp / count if last in r.mine and count else None
+
+
+@torch.no_grad()
+def _forward_through_stages(spec, r: RankStages, rank_of_stage, mb, device) -> tuple:
+    """This rank's stages run on microbatch ``mb``, receiving from and sending to the ranks of
+    their neighbours; the last stage's outputs where this rank holds it."""
     from ppsplit.stages.trace import as_tuple
 
     split, n = r.split, len(r.split.stages)
     pp, dp, tp = r.coords
-    last, total, count = n - 1, 0.0, 0
-
-    def peer(stage):
-        return r.layout.rank_of(rank_of_stage[stage], dp, tp)
-
-    for j, batch in enumerate(source.validation(spec.eval.batches)):
-        if masks is not None:
-            masks.start_step(-1 - j - 1000 * step)
-        count += loss_fn.count(batch.labels)  # the whole held-out batch's, on every rank
-        for mb in batch.shard(dp, r.layout.dp).microbatches(spec.microbatches):
-            values = ()
-            for s in range(n):
-                if s not in r.mine:
-                    continue
-                if s == 0:
-                    values = tuple(t.to(device) for t in split.flat_inputs(mb.args, mb.kwargs))
-                elif rank_of_stage[s - 1] != pp:
-                    ins, _ = split.stage_io_meta(s, tp=r.layout.tp)
-                    values = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in ins)
-                    for t in values:
-                        dist.recv(t, src=peer(s - 1))
-                with precision_context(spec.train.precision, device.type):
-                    values = as_tuple(r.modules[s](*values))
-                if s < last and rank_of_stage[s + 1] != pp:
-                    for t in values:
-                        dist.send(t.contiguous(), dst=peer(s + 1))
-            if last in r.mine:
-                with precision_context(spec.train.precision, device.type):
-                    total += loss_fn.total(values[0] if len(values) == 1 else values, mb.labels.to(device)).item()
-    # Each rank's part of the loss over every held-out token, dp times (the driver averages).
-    return total * r.layout.dp / count if last in r.mine and count else None
+    values = ()
+    for s in range(n):
+        if s not in r.mine:
+            continue
+        if s == 0:
+            values = tuple(t.to(device) for t in split.flat_inputs(mb.args, mb.kwargs))
+        elif rank_of_stage[s - 1] != pp:
+            ins, _ = split.stage_io_meta(s, tp=r.layout.tp)
+            values = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in ins)
+            for t in values:
+                dist.recv(t, src=r.layout.rank_of(rank_of_stage[s - 1], dp, tp))
+        with precision_context(spec.train.precision, device.type):
+            values = as_tuple(r.modules[s](*values))
+        if s < n - 1 and rank_of_stage[s + 1] != pp:
+            for t in values:
+                dist.send(t.contiguous(), dst=r.layout.rank_of(rank_of_stage[s + 1], dp, tp))
+    return values

@@ -1,0 +1,166 @@
+"""Fine-tuning: instruction and chat records (data=sft) with answer-only loss, packing, LoRA
+adapters (peft=lora), and the refusals. The records and the tokenizer with its chat template are
+made here. The README's fine-tuning command (tests/test_readme.py) is the run over a pretrained
+base on two ranks: it checks the packed chat rows, the held-out answer loss, the adapter folder,
+the merged model and the base folder left as it was."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from helpers import compose_cfg
+from ppsplit import PpsplitError
+
+VOCAB = 400
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """Chat and prompt/completion records, a tokenizer with a chat template, a cache."""
+    from ppsplit.data.toy_corpus import make
+
+    folder = tmp_path_factory.mktemp("sft")
+    _, tokenizer = make(str(folder), kb=30, vocab=VOCAB, chat=160)
+    return {"folder": folder, "tokenizer": tokenizer, "chat": str(folder / "chat.jsonl"),
+            "prompts": str(folder / "prompts.jsonl"), "cache": str(folder / "cache")}
+
+
+def sft_args(toy, records="chat", *extra):
+    return ["model=llama", "data=sft", f"data.path={toy[records]}", f"data.tokenizer={toy['tokenizer']}",
+            f"data.cache_dir={toy['cache']}", "data.truncate=true", "seq_len=128",
+            f"model.config.vocab_size={VOCAB}", *extra]
+
+
+def _spec(*overrides):
+    from ppsplit.config.spec import from_config
+
+    return from_config(compose_cfg(*overrides), list(overrides))
+
+
+def _tokenizer(toy):
+    from ppsplit.data.corpus import load_tokenizer
+
+    return load_tokenizer(toy["tokenizer"])
+
+
+def _records(path):
+    import datasets
+
+    return datasets.load_dataset("json", data_files=[path], split="train")
+
+
+def test_only_the_answers_are_scored_in_both_formats(toy):
+    from ppsplit.data.sft import tokenize_examples
+
+    tok = _tokenizer(toy)
+    chat = _records(toy["chat"])
+    spec = _spec(*sft_args(toy)).data
+    (ids, scored), = tokenize_examples(spec, chat.select([0]), tok, 128, "chat.jsonl")
+    answer = chat[0]["messages"][2]["content"]
+    assert tok.decode(ids[scored]) == answer + "<eos>\n"  # the answer and its end, not the header
+    assert tok.decode(ids) == tok.apply_chat_template(chat[0]["messages"], tokenize=False)
+    prompts = _records(toy["prompts"])
+    (ids, scored), = tokenize_examples(spec, prompts.select([0]), tok, 128, "prompts.jsonl")
+    assert tok.decode(ids[scored]) == prompts[0]["completion"] + "<eos>"
+    every = _spec(*sft_args(toy), "data.loss_on=all").data
+    (ids, scored), = tokenize_examples(every, chat.select([0]), tok, 128, "chat.jsonl")
+    assert not scored[0] and scored[1:].all()  # an example's first token has nothing of its own before it
+
+
+def test_packing_keeps_examples_whole_restarts_positions_and_scores_no_boundary():
+    from ppsplit.data.sft import pack
+
+    examples = [(torch.arange(n).numpy() + 10, (torch.arange(n) > 0).numpy()) for n in (5, 3, 7, 4, 2)]
+    rows = pack(examples, 8, pad=0, packing=True)
+    assert rows["ids"].shape == (3, 8)  # 21 tokens, best fit: 7+... in three rows of 8
+    for ids, labels, pos in zip(rows["ids"], rows["labels"], rows["positions"]):
+        starts = [i for i in range(8) if pos[i] == 0]
+        for a, b in zip(starts, starts[1:] + [8]):
+            assert list(pos[a:b]) == list(range(b - a))
+            assert labels[a] == -100  # nothing before an example's first token is its own
+    kept = sorted(int(n) for row in rows["positions"] for n in row if n == 0)
+    assert len(kept) >= 5
+    padded = pack(examples, 8, pad=0, packing=False)
+    assert padded["ids"].shape == (5, 8) and [int(m.sum()) for m in padded["mask"]] == [5, 3, 7, 4, 2]
+
+
+def test_a_packed_example_computes_what_it_computes_alone():
+    """Restarting position ids, no attention mask, no cache: each example attends to itself."""
+    from ppsplit.models import build
+
+    s = _spec("model=llama").model
+    model = build.build_model(s.class_name, s.config, seed=0).eval()
+    a, b = torch.randint(0, 100, (1, 6)), torch.randint(0, 100, (1, 9))
+    row = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(6), torch.arange(9)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(row, position_ids=pos, use_cache=False).logits
+        alone = model(b, use_cache=False).logits
+    assert (packed[:, 6:] - alone).abs().max() < 1e-5
+
+
+def test_lora_freezes_the_base_and_keeps_peft_names(toy):
+    import ppsplit
+    from ppsplit.data.batch import make_batch
+    from ppsplit.models import build
+    from ppsplit.train.optim import make_optimizer
+
+    spec = _spec("model=llama", "peft=lora", "peft.r=4", "peft.target_modules=[q_proj,v_proj]")
+    model = build.model_of(spec)
+    names = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert names and all(".lora_A.default." in k or ".lora_B.default." in k for k in names)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in names
+    batch = make_batch("causal_lm", model.config, 4, 16, 0, step=0, call_kwargs=spec.model.call_kwargs)
+    mb = batch.microbatches(2)[0]
+    split = ppsplit.split(model, args=mb.args, kwargs=mb.kwargs, stages=2)
+    assert ppsplit.verify_fqns(model, split).ok
+    held = {id(p) for g in make_optimizer(spec.optimizer, model.named_parameters()).param_groups for p in g["params"]}
+    assert held == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("records,packing", [("prompts", "false")])
+def test_padded_prompt_completion_rows_equal_the_unsplit_model_in_four_stages(toy, tmp_path, records, packing):
+    proc = run_cli(*sft_args(toy, records), f"data.packing={packing}", "peft=lora",
+                   "peft.target_modules=all-linear", "stages=4", "model.config.num_hidden_layers=4", "steps=2",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "run" / "report.json"))["run"]["ok"]
+
+
+BAD = [
+    (("data.prompt_field=question", "data.messages_field=turns"), "prompts", "neither 'turns' nor 'question'"),
+    (("data.truncate=false", "seq_len=16"), "chat", "data.truncate=false: record 1 of chat.jsonl is"),
+    (("peft=lora", "peft.target_modules=[nosuch]"), "chat", "peft.target_modules=['nosuch']"),
+    (("peft=lora", "peft.r=0"), "chat", "peft.r=0"),
+    (("peft=lora", "peft.merge=true"), "chat", "peft.merge=true"),
+]
+
+
+@pytest.mark.parametrize("extra,records,said", BAD, ids=[b[2][:24] for b in BAD])
+def test_bad_fine_tuning_input_is_one_line_naming_it(toy, extra, records, said):
+    from ppsplit.app.checks import validate
+    from ppsplit.data.corpus import prepare
+
+    with pytest.raises(PpsplitError) as info:
+        spec = _spec(*sft_args(toy, records), *extra)
+        checked = validate(spec)
+        prepare(spec.data, None, spec.seq_len, spec.seed, checked.config.vocab_size)
+    assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_chat_records_without_a_template_or_an_answer_are_refused(toy, tmp_path):
+    from ppsplit.data.corpus import load_tokenizer
+    from ppsplit.data.sft import tokenize_examples
+
+    tok = load_tokenizer(toy["tokenizer"])
+    spec = _spec(*sft_args(toy)).data
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    with pytest.raises(PpsplitError, match="record 1 of lone.jsonl has no assistant turn"):
+        tokenize_examples(spec, _records(str(lone)), tok, 128, "lone.jsonl")
+    tok.chat_template = None
+    with pytest.raises(PpsplitError, match="has no chat template"):
+        tokenize_examples(spec, _records(toy["chat"]), tok, 128, "chat.jsonl")
