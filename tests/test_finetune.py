@@ -130,6 +130,25 @@ def test_padded_prompt_completion_rows_equal_the_unsplit_model_in_four_stages(to
     assert json.load(open(tmp_path / "run" / "report.json"))["run"]["ok"]
 
 
+@pytest.mark.slow
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_layout(toy, tmp_path):
+    """Two steps at pp2 saved, two more resumed at four stages: the checkpoint holds only the
+    adapters and their optimizer state, and the resumed run passes its check from step 2."""
+    from ppsplit.checkpoint.dcp import saved_keys
+
+    common = [*sft_args(toy), "peft=lora", "peft.target_modules=[q_proj,v_proj]", "optimizer=adamw"]
+    first = run_cli(*common, "steps=2", "checkpoint.save=true", f"checkpoint.dir={tmp_path / 'ck'}",
+                    f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    keys = saved_keys(str(tmp_path / "ck"))
+    assert keys and all(".lora_" in k for k in keys if not k.startswith("optim.param_groups")), sorted(keys)[:5]
+    second = run_cli(*common, "steps=2", "stages=4", f"checkpoint.load={tmp_path / 'ck'}",
+                     f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    run = json.load(open(tmp_path / "b" / "report.json"))["run"]
+    assert run["ok"] and run["resumed_from"]["step"] == 2
+
+
 BAD = [
     (("data.prompt_field=question", "data.messages_field=turns"), "prompts", "neither 'turns' nor 'question'"),
     (("data.truncate=false", "seq_len=16"), "chat", "data.truncate=false: record 1 of chat.jsonl is"),

@@ -16,12 +16,14 @@ def check_resumable(folder: str, model) -> dict:
     """Where a run resumes, refusing a checkpoint of another model before any rank starts: its
     keys must be the model's, both ways, each of the same shape (from DCP's metadata); the
     config fields that differ are named when ``ppsplit.json`` recorded the config."""
-    meta = check_loadable(folder, type(model).__name__)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # an adapted model's class is its base's
+    meta = check_loadable(folder, type(base).__name__)
     from ppsplit.checkpoint.reader import read_metadata
 
     stored = read_metadata(folder).state_dict_metadata
     saved = {k: tuple(v.size) for k, v in stored.items() if not k.startswith("optim.") and hasattr(v, "size")}
-    mine = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    kept = trained_keys(model) if adapted({0: model}) else None  # an adapted model's: its adapters
+    mine = {k: tuple(t.shape) for k, t in model.state_dict().items() if kept is None or k in kept}
     missing = sorted(set(mine) - set(saved))
     extra = sorted(set(saved) - set(mine))
     shapes = [k for k in mine if k in saved and saved[k] != mine[k]]
@@ -52,16 +54,27 @@ def _config_changes(saved: dict | None, config) -> str:
 
 
 def state_of(modules, optimizers) -> dict:
-    """Model and flattened optimizer state of this rank's stages, keyed by the original FQNs."""
+    """Model and flattened optimizer state of this rank's stages, keyed by the original FQNs. Of
+    an adapted model (``peft``), the trained tensors alone: its base is the model's own."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     state: dict = {}
     for i, module in modules.items():
         model_sd, optim_sd = get_state_dict(module, optimizers[i], options=options)
-        state.update({k: v.detach() if hasattr(v, "detach") else v for k, v in model_sd.items()})
+        kept = trained_keys(module) if adapted(modules) else model_sd
+        state.update({k: v.detach() if hasattr(v, "detach") else v for k, v in model_sd.items() if k in kept})
         state.update({f"optim.{k}": v for k, v in optim_sd.items()})
     return state
+
+
+def adapted(modules) -> bool:
+    """Whether these stages hold adapters over a frozen base (``peft``)."""
+    return any(".lora_A." in k for m in modules.values() for k, _ in m.named_parameters(remove_duplicate=False))
+
+
+def trained_keys(module) -> set[str]:
+    return {k for k, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
 def _quiet():
@@ -163,7 +176,8 @@ def load(folder: str, modules: dict, optimizers: dict, tie_groups=()) -> int:
                 _local(value).copy_(_local(got))
                 got = value
             loaded[key] = got
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    # An adapted model's checkpoint holds its adapters: the base stays as the model built it.
+    options = StateDictOptions(flatten_optimizer_state_dict=True, strict=not adapted(modules))
     for i, module in modules.items():
         model_keys = set(module.state_dict())
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
