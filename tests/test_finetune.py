@@ -149,6 +149,19 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_layout(toy,
     assert run["ok"] and run["resumed_from"]["step"] == 2
 
 
+@pytest.mark.slow
+def test_an_encoder_decoder_learns_completions_from_prompts_on_two_ranks(toy, tmp_path):
+    """T5: the prompt to the encoder, the completion to the decoder's labels, padded rows with a
+    mask; every step equals the unsplit adapted model's."""
+    proc = run_cli("model=t5", "data=sft", f"data.path={toy['prompts']}", f"data.tokenizer={toy['tokenizer']}",
+                   f"data.cache_dir={toy['cache']}", "data.packing=false", "data.truncate=true", "seq_len=64",
+                   f"model.config.vocab_size={VOCAB}", "peft=lora", "peft.target_modules=[q,v]", "steps=2",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.load(open(tmp_path / "run" / "report.json"))
+    assert report["run"]["ok"] and report["data"]["sft"]["format"] == "prompt_completion"
+
+
 BAD = [
     (("data.prompt_field=question", "data.messages_field=turns"), "prompts", "neither 'turns' nor 'question'"),
     (("data.truncate=false", "seq_len=16"), "chat", "data.truncate=false: record 1 of chat.jsonl is"),

@@ -220,9 +220,15 @@ def _check_sft(spec: JobSpec, cls) -> None:
     import inspect
 
     m = spec.model
-    if m.inputs != "causal_lm":
-        raise PpsplitError(f"data=sft with {m.class_name} ({m.inputs}): instruction data trains causal LMs; allowed: "
-                           "a causal LM (model=gpt2, llama, qwen2_moe, or model=hf with a *ForCausalLM class)")
+    if m.inputs not in ("causal_lm", "seq2seq"):
+        raise PpsplitError(f"data=sft with {m.class_name} ({m.inputs}): instruction data trains causal LMs and "
+                           "encoder-decoders; allowed: model=gpt2, llama, qwen2_moe, t5, bart, or model=hf with such a "
+                           "class")
+    if m.inputs == "seq2seq":
+        if spec.data.sft.packing:
+            raise PpsplitError(f"data.packing=true with {m.class_name}: an encoder-decoder takes one example a row "
+                               "(the prompt to the encoder, the completion to the decoder); allowed: data.packing=false")
+        return
     if spec.data.sft.packing and "position_ids" not in inspect.signature(cls.forward).parameters:
         raise PpsplitError(f"data.packing=true: {m.class_name} takes no position_ids, so packed examples would see "
                            "each other; allowed: data.packing=false")

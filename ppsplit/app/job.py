@@ -421,8 +421,10 @@ def _prepare_data(spec: JobSpec, config, say) -> str | None:
         return None
     from ppsplit.data.corpus import prepare
 
+    seq2seq = spec.data.sft and spec.model.inputs == "seq2seq"
     path = prepare(spec.data, spec.model.pretrained, spec.seq_len, spec.seed, config.vocab_size,
-                   progress=say.enabled, batch_size=spec.batch_size if spec.eval.batches else 0)
+                   progress=say.enabled, batch_size=spec.batch_size if spec.eval.batches else 0,
+                   decoder_start=(config.decoder_start_token_id or 0) if seq2seq else None)
     say.phase("data", f"data: {os.path.basename(path)} ({spec.data.name}, packed into blocks of {spec.seq_len})")
     return path
 

@@ -40,4 +40,16 @@ def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source, config=No
         "optimizer": spec.optimizer,
         "layout": {"stages": len(split), "split_points": split.points, "schedule": spec.schedule,
                    "dp": spec.parallel.dp, "tp": spec.parallel.tp},
+        **({"peft": _peft(spec)} if spec.peft.on else {}),  # the checkpoint holds these adapters alone
     }
+
+
+def _peft(spec: JobSpec) -> dict:
+    """The adapters, and the base they go with (``model.pretrained``; None: built from ``seed``)."""
+    p = spec.peft
+
+    def listed(value):
+        return list(value) if isinstance(value, tuple) else value
+
+    return {"name": p.name, "r": p.r, "alpha": p.alpha, "target_modules": listed(p.target_modules),
+            "modules_to_save": listed(p.modules_to_save), "base": spec.model.pretrained, "seed": spec.seed}

@@ -115,7 +115,7 @@ def cache_folder(spec: DataSpec) -> str:
 
 
 def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, vocab_size: int,
-            progress: bool = True, batch_size: int = 0) -> str:
+            progress: bool = True, batch_size: int = 0, decoder_start: int | None = None) -> str:
     """Tokenize and pack the corpus once (or find it packed already); returns the cache file the
     ranks read. Refuses, in one line, what cannot train: no files, an empty corpus, a missing
     field, a tokenizer that does not load or is larger than the model's vocabulary."""
@@ -125,11 +125,13 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
     if len(tokenizer) > vocab_size:
         raise PpsplitError(f"data.tokenizer={folder!r} has {len(tokenizer)} tokens, more than the model's "
                            f"vocab_size={vocab_size}; allowed: model.config.vocab_size >= {len(tokenizer)}")
-    path = os.path.join(cache_folder(spec), f"packed-{fingerprint(spec, files, folder, seq_len, seed)}.npz")
+    key = fingerprint(spec, files, folder, seq_len, seed) + ("" if decoder_start is None else f"-s2s{decoder_start}")
+    path = os.path.join(cache_folder(spec), f"packed-{key}.npz")
     if not os.path.isfile(path) and spec.sft:
         from ppsplit.data.sft import prepare_sft
 
-        arrays, meta = prepare_sft(spec, tokenizer, files, seq_len, seed, os.path.join(cache_folder(spec), "datasets"))
+        arrays, meta = prepare_sft(spec, tokenizer, files, seq_len, seed, os.path.join(cache_folder(spec), "datasets"),
+                                   decoder_start)
         _write(path, arrays, {**meta, "files": files, "tokenizer": folder})
     elif not os.path.isfile(path):
         _pack_corpus(spec, files, tokenizer, separator_of(tokenizer), seq_len, seed, path, progress, folder)

@@ -10,6 +10,9 @@ found from the records themselves.
 - Prompt-completion: ``prompt`` and ``completion`` strings; the completion (and the end-of-text
   token) is the answer.
 
+An encoder-decoder takes prompt-completion records: the prompt is the encoder's input, the
+completion (and its end) the decoder's labels, one example a row with an attention mask.
+
 Only the answers are scored (``data.loss_on=answer``), or every token (``all``); the first token
 of an example is never scored (in a packed row, nothing before it is its own). An example longer
 than ``seq_len`` is refused, or cut (``data.truncate``). With ``data.packing`` (the default) whole
@@ -185,12 +188,52 @@ def _best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, cache: str) -> tuple[dict, dict]:
+def seq2seq_examples(spec, records, tokenizer, seq_len: int, source: str) -> list[tuple[list[int], list[int]]]:
+    """Each prompt-completion record as (encoder ids, decoder labels), truncated or refused past
+    ``seq_len`` (each side on its own)."""
+    if record_format(spec, records.column_names, source) != "prompt_completion":
+        raise PpsplitError(f"data.path: {source} is conversational; an encoder-decoder takes prompt/completion "
+                           f"records ({spec.sft.prompt_field!r} to the encoder, {spec.sft.completion_field!r} to the "
+                           "decoder); allowed: such records, or a causal LM")
+    out = []
+    for i, record in enumerate(records):
+        where = f"record {i + 1} of {source}"
+        ids, scored = _prompt_completion(tokenizer, record[spec.sft.prompt_field], record[spec.sft.completion_field],
+                                         spec, where)
+        head = [t for t, s in zip(ids, scored) if not s]
+        tail = [t for t, s in zip(ids, scored) if s]
+        for side in (head, tail):
+            if len(side) > seq_len and not spec.sft.truncate:
+                raise PpsplitError(f"data.truncate=false: {where} is {len(side)} tokens on one side, longer than "
+                                   f"seq_len={seq_len}; allowed: data.truncate=true, a larger seq_len, or shorter "
+                                   "examples")
+        out.append((head[:seq_len], tail[:seq_len]))
+    return out
+
+
+def pad_seq2seq(examples: list[tuple[list[int], list[int]]], seq_len: int, pad: int, start: int) -> dict:
+    """One example a row: the encoder's ids and mask, the decoder's labels and its inputs (the
+    labels shifted right behind ``start``)."""
+    n = len(examples)
+    ids, mask = np.full((n, seq_len), pad, dtype=np.int32), np.zeros((n, seq_len), dtype=np.int32)
+    labels, decoder = np.full((n, seq_len), IGNORE, dtype=np.int32), np.full((n, seq_len), pad, dtype=np.int32)
+    for r, (head, tail) in enumerate(examples):
+        ids[r, :len(head)], mask[r, :len(head)] = head, 1
+        labels[r, :len(tail)] = tail
+        decoder[r, 0], decoder[r, 1:len(tail)] = start, tail[:-1]
+    return {"ids": ids, "mask": mask, "labels": labels, "decoder": decoder}
+
+
+def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, cache: str,
+                decoder_start: int | None = None) -> tuple[dict, dict]:
     """Every record tokenized, split into training and held-out examples, and packed: the arrays
     of the cache file, and what its meta records (``cache``: the records' own cache)."""
     source = os.path.basename(files[0]) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
     records = read_records(files, cache)
-    examples = tokenize_examples(spec, records, tokenizer, seq_len, source)
+    if decoder_start is not None:  # an encoder-decoder
+        examples = seq2seq_examples(spec, records, tokenizer, seq_len, source)
+    else:
+        examples = tokenize_examples(spec, records, tokenizer, seq_len, source)
     if not examples:
         raise PpsplitError(f"data.path: {source} holds no example with a token to score; allowed: records "
                            "with answers")
@@ -201,10 +244,15 @@ def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, cach
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     arrays = {}
     for part, picked in (("val", order[:n_val]), ("train", order[n_val:])):
-        for key, value in pack([examples[i] for i in picked], seq_len, pad, spec.sft.packing).items():
+        chosen = [examples[i] for i in picked]
+        rows = pad_seq2seq(chosen, seq_len, pad, decoder_start) if decoder_start is not None else \
+            pack(chosen, seq_len, pad, spec.sft.packing)
+        for key, value in rows.items():
             arrays[part if key == "ids" else f"{part}_{key}"] = value
+    scored = sum(len(tail) for _, tail in examples) if decoder_start is not None else \
+        int(sum(s.sum() for _, s in examples))
     meta = {"documents": len(examples), "val_documents": n_val, "format": record_format(
-        spec, records.column_names, source), "scored_tokens": int(sum(s.sum() for _, s in examples))}
+        spec, records.column_names, source), "scored_tokens": int(scored)}
     return arrays, meta
 
 
@@ -223,4 +271,6 @@ def sft_inputs(arrays: dict, part: str, rows, call_kwargs: dict | None):
         kwargs["position_ids"] = take(f"{part}_positions")
     else:
         kwargs["attention_mask"] = take(f"{part}_mask")
+    if f"{part}_decoder" in arrays:  # an encoder-decoder: the decoder reads the labels shifted right
+        kwargs["decoder_input_ids"] = take(f"{part}_decoder")
     return Batch((take(part),), kwargs, take(f"{part}_labels"))

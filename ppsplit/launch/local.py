@@ -374,10 +374,11 @@ def _become(message: dict, launcher_pid: int) -> None:
         import gc
 
         # What the parent held and let go (its streams, their log files, garbage in a cycle)
-        # still names descriptors closed above: collected now, each closes a number nothing uses.
-        # Later, a collection would close whatever this process had opened under that number
-        # since (a rank's TCPStore connection, seen as "Bad file descriptor").
-        gc.collect()
+        # still names descriptors closed above. A later collection would close whatever this
+        # process had opened under such a number since (a rank's TCPStore connection: "Bad file
+        # descriptor"), so no collection ever looks at what came from the parent; it costs
+        # nothing (a collection here took 0.18 s per child).
+        gc.freeze()
         import importlib
 
         module = importlib.import_module(message["module"])
