@@ -149,6 +149,20 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_layout(toy,
     assert run["ok"] and run["resumed_from"]["step"] == 2
 
 
+LAYOUTS = [("llama", "parallel.dp=2", "1f1b"),  # FSDP2 units that mix the frozen base and the adapters
+           ("gpt2", "parallel.dp=1", "zbv")]  # a frozen tied embedding under a zero-bubble schedule
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,dp,schedule", LAYOUTS, ids=[f"{m}-{d}-{s}" for m, d, s in LAYOUTS])
+def test_lora_equals_the_unsplit_model_under_fsdp2_and_zero_bubble(toy, tmp_path, model, dp, schedule):
+    proc = run_cli(*sft_args(toy, "prompts"), f"model={model}", dp, f"schedule={schedule}", "peft=lora",
+                   "data.val_fraction=0.2", "steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.load(open(tmp_path / "run" / "report.json"))["run"]
+    assert run["ok"] and all(t["copies_bitwise_equal"] for t in run.get("ties") or [])
+
+
 @pytest.mark.slow
 def test_an_encoder_decoder_learns_completions_from_prompts_on_two_ranks(toy, tmp_path):
     """T5: the prompt to the encoder, the completion to the decoder's labels, padded rows with a
