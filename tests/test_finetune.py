@@ -80,8 +80,11 @@ def test_packing_keeps_examples_whole_restarts_positions_and_scores_no_boundary(
         for a, b in zip(starts, starts[1:] + [8]):
             assert list(pos[a:b]) == list(range(b - a))
             assert labels[a] == -100  # nothing before an example's first token is its own
-    kept = sorted(int(n) for row in rows["positions"] for n in row if n == 0)
-    assert len(kept) >= 5
+    whole = []  # every example once, whole: a block that starts at token 10 is an example (padding is 0)
+    for ids, pos in zip(rows["ids"], rows["positions"]):
+        starts = [i for i in range(8) if pos[i] == 0] + [8]
+        whole += [list(ids[a:b]) for a, b in zip(starts, starts[1:]) if ids[a] == 10]
+    assert sorted(whole) == sorted([list(range(10, 10 + n)) for n in (5, 3, 7, 4, 2)])
     padded = pack(examples, 8, pad=0, packing=False)
     assert padded["ids"].shape == (5, 8) and [int(m.sum()) for m in padded["mask"]] == [5, 3, 7, 4, 2]
 
