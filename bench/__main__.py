@@ -14,7 +14,7 @@ import traceback
 
 # In the order they run; the slow, multi-process one last.
 BENCHMARKS = ("split_time", "stage_overhead", "dynamic_shapes", "tied_memory", "balance", "meta_memory",
-              "pipeline_efficiency", "layouts", "rank_memory", "training", "finetune", "checkpoint_cost", "timeline_overhead",
+              "pipeline_efficiency", "layouts", "rank_memory", "training", "finetune", "corpora", "checkpoint_cost", "timeline_overhead",
               "pipeline_bubbles", "step_overheads", "gpu_check")
 
 

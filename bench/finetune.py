@@ -19,7 +19,6 @@ import os
 import statistics
 import tempfile
 
-import numpy as np
 
 from bench import harness
 
@@ -61,9 +60,10 @@ def run_job(spec: dict, data: list[str], side: list[str]) -> dict:
 
 
 def scored_per_row(cache: str) -> float:
-    """The mean count of scored tokens in a training row of a cache file."""
-    with np.load(cache) as f:
-        return float((f["train_labels"] != -100).sum(1).mean())
+    """The mean count of scored tokens in a training row of a token store."""
+    from ppsplit.data.store import open_store
+
+    return float((open_store(cache)[0]["train_labels"] != -100).sum(1).mean())
 
 
 def main(quick: bool = False, out_dir: str | None = None) -> dict:

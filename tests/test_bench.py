@@ -178,6 +178,17 @@ def test_finetune(tmp_path):
         assert positive(data[key]), key
 
 
+def test_corpora(tmp_path):
+    data = run_quick("corpora", tmp_path)
+    assert set(data["jobs"]) == {"1", "4"} and set(data["tokenize"]) == {"1", "2"}
+    for job in data["jobs"].values():
+        assert all(positive(job[k]) for k in ("corpus_bytes", "cache_bytes", "tokenize_s", "driver_peak_bytes",
+                                              "worst_rank_peak_bytes", "step_s"))
+        assert job["cache_bytes"] < job["corpus_bytes"]  # two bytes a token, under three bytes of text a token
+    check_sides(data["read"]["per_batch_s"], ("mapped", "in_memory"))
+    assert isinstance(data["meets_target"], bool) and positive(data["read_share_of_step"])
+
+
 def test_checkpoint_cost(tmp_path):
     data = run_quick("checkpoint_cost", tmp_path)
     check_sides(data["seconds"], ("step", "save", "seal", "async_blocking"))

@@ -141,8 +141,9 @@ def trains_below_the_unigram_entropy(runs, cwd):
     (_, (report,)), = [r for r in runs if r[1]]
     data = load(report)
     val = [v["loss"] for v in data["run"]["val_losses"]]
-    with np.load(data["data"]["cache"]) as f:
-        counts = np.bincount(f["train"].ravel())
+    from ppsplit.data.store import open_store
+
+    counts = np.bincount(open_store(data["data"]["cache"])[0]["train"].ravel())
     p = counts[counts > 0] / counts.sum()
     entropy = float(-(p * np.log(p)).sum())
     assert val == sorted(val, reverse=True) and val[-1] < entropy - 0.5, (val, entropy)

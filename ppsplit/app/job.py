@@ -425,7 +425,10 @@ def _prepare_data(spec: JobSpec, config, say) -> str | None:
     path = prepare(spec.data, spec.model.pretrained, spec.seq_len, spec.seed, config.vocab_size,
                    progress=say.enabled, batch_size=spec.batch_size if spec.eval.batches else 0,
                    decoder_start=(config.decoder_start_token_id or 0) if seq2seq else None)
-    say.phase("data", f"data: {os.path.basename(path)} ({spec.data.name}, packed into blocks of {spec.seq_len})")
+    from ppsplit.data.store import describe
+
+    say.phase("data", f"data: {os.path.basename(path)} ({spec.data.name}, {describe(path)}, "
+                      f"blocks of {spec.seq_len})")
     return path
 
 
@@ -434,11 +437,14 @@ def _data_section(spec: JobSpec, data_file: str | None) -> dict:
     out = {"name": d.name, **({"padded": True} if d.padded else {})}
     if data_file:
         from ppsplit.data.corpus import TokenBlocks
+        from ppsplit.data.store import size_of
 
         blocks = TokenBlocks(data_file, spec.seed)
         out.update(path=list(d.path), field=d.field, tokenizer=blocks.meta.get("tokenizer"), cache=data_file,
                    documents=blocks.meta.get("documents"), val_documents=blocks.meta.get("val_documents"),
-                   train_blocks=int(len(blocks.train)), val_blocks=int(len(blocks.val)), seq_len=spec.seq_len)
+                   train_blocks=int(len(blocks.train)), val_blocks=int(len(blocks.val)), seq_len=spec.seq_len,
+                   cache_bytes=size_of(data_file),
+                   **{k: blocks.meta[k] for k in ("corpus_bytes", "num_proc", "tokenize_s") if k in blocks.meta})
         if d.sft:
             out["sft"] = {"format": blocks.meta.get("format"), "loss_on": d.sft.loss_on, "packing": d.sft.packing,
                           "truncate": d.sft.truncate, "scored_tokens": blocks.meta.get("scored_tokens")}

@@ -85,6 +85,7 @@ class DataSpec:
     val_fraction: float
     cache_dir: str | None
     sample_by: str | None  # text files: what one document is
+    num_proc: int | None  # tokenizing processes (None: the cores this process may use)
     padded: bool  # synthetic: each row's labels end at a length of its own
     sft: SftSpec | None  # data=sft: how its records become examples and rows
 
@@ -133,7 +134,7 @@ def data_spec(cfg) -> DataSpec:
     padded = get(cfg, "data.padded")
     if name == "synthetic":
         return DataSpec(name=name, path=(), field=None, tokenizer=None, val_fraction=None, cache_dir=None,
-                        sample_by=None, padded=boolean("data.padded", padded), sft=None)
+                        sample_by=None, num_proc=None, padded=boolean("data.padded", padded), sft=None)
     if padded is not None:
         raise PpsplitError(f"data.padded={padded!r} with data={name}: only synthetic rows are padded; "
                            "allowed: data=synthetic")
@@ -148,11 +149,13 @@ def data_spec(cfg) -> DataSpec:
     cache = text("data.cache_dir", get(cfg, "data.cache_dir"))
     tokenizer = text("data.tokenizer", get(cfg, "data.tokenizer"))
     sft = _sft_spec(cfg) if name == "sft" else None
+    processes = get(cfg, "data.num_proc")
     return DataSpec(name=name, path=tuple(path),
                     field=None if sft else text("data.field", get(cfg, "data.field"), optional=False),
                     tokenizer=os.path.abspath(os.path.expanduser(tokenizer)) if tokenizer else None,
                     val_fraction=fraction, cache_dir=os.path.abspath(os.path.expanduser(cache)) if cache else None,
                     sample_by=choice("data.sample_by", get(cfg, "data.sample_by"), SAMPLE_BY) if name == "text" else None,
+                    num_proc=None if processes is None else integer("data.num_proc", processes, 1),
                     padded=False, sft=sft)
 
 

@@ -1,2 +1,4 @@
-"""What a step eats: local corpora tokenised and packed into token blocks, the batches cut from them,
-and a toy corpus to try it with. May import: ``config``, ``models``."""
+"""What a step eats: local corpora read as a stream, tokenized in processes and packed into a
+token store that ranks memory-map; the order of its stream; chat and instruction records made
+into scored rows; the batches cut from them; a toy corpus to try it with. May import:
+``config``, ``models``."""

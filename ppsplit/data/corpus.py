@@ -3,18 +3,23 @@
 - ``synthetic`` (the default): random token ids drawn from ``seed`` and the step (random images
   for a vision model).
 - ``text`` (``.txt`` files or globs), ``jsonl`` and ``parquet`` (a named text field): local
-  files read with the ``datasets`` library (no hub), tokenized with the model's tokenizer from a
-  local folder (``data.tokenizer=DIR``, else ``model.pretrained``). The documents are shuffled by
-  ``seed``; ``data.val_fraction`` of them is held out for validation; each side is joined with the
-  tokenizer's EOS (or SEP) after every document and packed into blocks of ``seq_len`` tokens.
-  The packed blocks are cached in ``data.cache_dir`` under a fingerprint of the files, the
-  tokenizer and these settings, so every rank (and the next run) reads them at once.
+  files, read as a stream (``ppsplit.data.read``: no hub, no file read whole, a document over
+  a million characters cut into pieces), tokenized with the model's tokenizer from a local
+  folder (``data.tokenizer=DIR``, else ``model.pretrained``) in ``data.num_proc`` processes,
+  and packed as they stream by into the token store (``ppsplit.data.pack``,
+  ``ppsplit.data.store``) in ``data.cache_dir``, under a fingerprint of the files, the
+  tokenizer and these settings, so the next run finds it at once. Documents stay in file
+  order; each is held out for validation with probability ``data.val_fraction`` (drawn from
+  ``seed`` and its index; the first always is); each side is the documents joined with the
+  tokenizer's EOS (or SEP) after every one, cut into blocks of ``seq_len`` tokens.
 
-The training stream is indexed by sample, not by step: sample ``i`` is block ``perm_e[i % n]``
-of epoch ``e = i // n``, each epoch its own permutation from ``seed``. A step takes the next
-``batch_size`` samples; each data-parallel rank runs its contiguous share of them, and the
-unsplit reference runs all of them. The index of the next sample goes into the checkpoint, so a
-resumed run continues at exactly that sample. What a block becomes depends on the task:
+The training stream is indexed by sample, not by step: sample ``i`` is block ``order_e(i % n)``
+of epoch ``e = i // n``, each epoch a bijection of the blocks keyed by ``seed`` and ``e``
+(``ppsplit.data.order``). A step takes the next ``batch_size`` samples; each data-parallel rank
+runs its contiguous share of them, and the unsplit reference runs all of them. The index of
+the next sample goes into the checkpoint, so a resumed run continues at exactly that sample.
+Ranks memory-map the store and read the rows of their batches alone. What a block becomes
+depends on the task:
 
 - causal LM: ``input_ids`` = the block, ``labels`` = the block (the loss shifts them);
 - masked LM: 15% of the positions, drawn from (seed, sample), scored; of those 80% become the
@@ -25,7 +30,6 @@ resumed run continues at exactly that sample. What a block becomes depends on th
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -34,27 +38,13 @@ import torch
 
 from ppsplit.config.tasks import IGNORE
 from ppsplit.data.batch import Batch, make_batch
+from ppsplit.data.order import BlockOrder
+from ppsplit.data.read import files_of
+from ppsplit.data.store import FORMAT, open_store
 from ppsplit.errors import PpsplitError
 from ppsplit.config.train_spec import DataSpec
 
-LOADERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}
 MASK_RATE = 0.15
-FORMAT = 1  # of the packed cache file
-
-
-def files_of(spec: DataSpec) -> list[str]:
-    """The data files, globs expanded, in order; a pattern that matches nothing is refused."""
-    out = []
-    for pattern in spec.path:
-        matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        matched = [m for m in matched if os.path.isfile(m)]
-        if not matched:
-            raise PpsplitError(f"data.path={pattern!r}: no such file; allowed: existing files or globs "
-                               f"({'.txt' if spec.name == 'text' else '.' + spec.name} files)")
-        out += [os.path.abspath(m) for m in matched]
-    if not out:
-        raise PpsplitError(f"data={spec.name} needs data.path (a file, a glob or a list of them)")
-    return list(dict.fromkeys(out))
 
 
 def tokenizer_folder(spec: DataSpec, pretrained: str | None) -> str:
@@ -93,8 +83,8 @@ def separator_of(tokenizer) -> int:
 
 
 def fingerprint(spec: DataSpec, files: list[str], tok_folder: str, seq_len: int, seed: int) -> str:
-    """What the packed blocks depend on: the files (path, size, time), the tokenizer's files
-    (contents) and the settings."""
+    """What the store depends on: the files (path, size, time: a stat each, however many), the
+    tokenizer's files (contents), the settings and the store's format."""
     h = hashlib.sha256()
     # sample_by applies to text files alone; the others' caches were keyed with "paragraph" and stay so
     settings = [FORMAT, spec.name, spec.field, spec.sample_by or "paragraph", spec.val_fraction, seq_len, seed]
@@ -116,9 +106,9 @@ def cache_folder(spec: DataSpec) -> str:
 
 def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, vocab_size: int,
             progress: bool = True, batch_size: int = 0, decoder_start: int | None = None) -> str:
-    """Tokenize and pack the corpus once (or find it packed already); returns the cache file the
-    ranks read. Refuses, in one line, what cannot train: no files, an empty corpus, a missing
-    field, a tokenizer that does not load or is larger than the model's vocabulary."""
+    """Tokenize and pack the corpus once (or find it packed already); returns the token store
+    the ranks read. Refuses, in one line, what cannot train: no files, an empty corpus, a
+    missing field, a tokenizer that does not load or is larger than the model's vocabulary."""
     files = files_of(spec)
     folder = tokenizer_folder(spec, pretrained)
     tokenizer = load_tokenizer(folder)
@@ -126,18 +116,22 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
         raise PpsplitError(f"data.tokenizer={folder!r} has {len(tokenizer)} tokens, more than the model's "
                            f"vocab_size={vocab_size}; allowed: model.config.vocab_size >= {len(tokenizer)}")
     key = fingerprint(spec, files, folder, seq_len, seed) + ("" if decoder_start is None else f"-s2s{decoder_start}")
-    path = os.path.join(cache_folder(spec), f"packed-{key}.npz")
-    if not os.path.isfile(path) and spec.sft:
+    path = os.path.join(cache_folder(spec), f"packed-{key}")
+    meta = {"files": files if len(files) <= 100 else files[:100] + [f"... {len(files)} files"], "tokenizer": folder}
+    if not os.path.isdir(path) and spec.sft:
         from ppsplit.data.sft import prepare_sft
+        from ppsplit.data.store import write_arrays
 
-        arrays, meta = prepare_sft(spec, tokenizer, files, seq_len, seed, os.path.join(cache_folder(spec), "datasets"),
-                                   decoder_start)
-        _write(path, arrays, {**meta, "files": files, "tokenizer": folder})
-    elif not os.path.isfile(path):
-        _pack_corpus(spec, files, tokenizer, separator_of(tokenizer), seq_len, seed, path, progress, folder)
+        arrays, sft_meta = prepare_sft(spec, tokenizer, files, seq_len, seed,
+                                       os.path.join(cache_folder(spec), "datasets"), decoder_start)
+        write_arrays(path, arrays, {**sft_meta, **meta})
+    elif not os.path.isdir(path):
+        from ppsplit.data.pack import pack_corpus
+
+        pack_corpus(spec, files, tokenizer, separator_of(tokenizer), seq_len, seed, path, progress,
+                    {**meta, "mask_token_id": tokenizer.mask_token_id, "unk_token_id": tokenizer.unk_token_id})
     if batch_size:
-        with np.load(path) as f:
-            held_out = len(f["val"])
+        held_out = len(open_store(path)[0]["val"])
         if held_out < batch_size:
             raise PpsplitError(f"data.val_fraction={spec.val_fraction:g}: the held-out documents fill {held_out} "
                                f"block(s) of seq_len={seq_len}, fewer than one batch (batch_size={batch_size}); "
@@ -145,94 +139,21 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
     return path
 
 
-def _pack_corpus(spec, files, tokenizer, separator, seq_len, seed, path, progress, folder) -> None:
-    docs = _documents(spec, files, tokenizer, progress)
-    order = np.random.default_rng([seed, 7]).permutation(len(docs))
-    n_val = int(round(spec.val_fraction * len(docs))) if spec.val_fraction > 0 else 0
-    if spec.val_fraction > 0 and len(docs) >= 2:
-        n_val = min(max(n_val, 1), len(docs) - 1)
-    val = _pack([docs[i] for i in order[:n_val]], separator, seq_len)
-    train = _pack([docs[i] for i in order[n_val:]], separator, seq_len)
-    if not len(train):
-        raise PpsplitError(f"data.path: the corpus ({sum(len(d) for d in docs)} tokens in {len(docs)} documents) "
-                           f"fills no training block of seq_len={seq_len}; allowed: more text, or a smaller seq_len")
-    if spec.val_fraction > 0 and not len(val):
-        raise PpsplitError(f"data.val_fraction={spec.val_fraction}: the held-out documents fill no block of "
-                           f"seq_len={seq_len}; allowed: a larger fraction, a smaller seq_len, or 0")
-    _write(path, {"train": train, "val": val},
-           {"files": files, "tokenizer": folder, "documents": len(docs), "val_documents": n_val,
-            "mask_token_id": tokenizer.mask_token_id, "unk_token_id": tokenizer.unk_token_id})
-
-
-def _write(path: str, arrays: dict, meta: dict) -> None:
-    """The cache file, whole or not at all."""
-    from ppsplit.output import atomic_path
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays, meta=np.array(json.dumps(meta)))
-
-
-def _documents(spec: DataSpec, files: list[str], tokenizer, progress: bool) -> list[np.ndarray]:
-    import datasets
-
-    datasets.disable_progress_bars()  # reading and checking: a refusal stays one line
-    kwargs = {"sample_by": spec.sample_by} if spec.name == "text" else {}
-    try:
-        ds = datasets.load_dataset(LOADERS[spec.name], data_files=files, split="train",
-                                   cache_dir=os.path.join(cache_folder(spec), "datasets"), **kwargs)
-    except Exception as err:
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PpsplitError(f"data.path: {files[0]} does not read as {spec.name}: {text}") from None
-    if spec.field not in ds.column_names:
-        raise PpsplitError(f"data.field={spec.field!r} is not in {os.path.basename(files[0])}'s records; "
-                           f"allowed: {', '.join(ds.column_names)}")
-    ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch[spec.field]],
-                   batched=True)
-    if not len(ds):
-        raise PpsplitError(f"data.path: {', '.join(os.path.basename(f) for f in files[:3])} hold no text "
-                           f"(no non-empty {spec.field!r}); allowed: a corpus with text")
-    if progress:
-        datasets.enable_progress_bars()  # the one long part: tokenizing
-    ds = ds.map(lambda batch: {"ids": tokenizer(batch[spec.field], add_special_tokens=False)["input_ids"]},
-                batched=True, remove_columns=ds.column_names, desc="tokenizing")
-    return [np.asarray(ids, dtype=np.int32) for ids in ds["ids"]]
-
-
-def _pack(docs: list[np.ndarray], separator: int, seq_len: int) -> np.ndarray:
-    if not docs:
-        return np.zeros((0, seq_len), dtype=np.int32)
-    sep = np.array([separator], dtype=np.int32)
-    stream = np.concatenate([part for doc in docs for part in (doc, sep)])
-    blocks = len(stream) // seq_len
-    return stream[:blocks * seq_len].reshape(blocks, seq_len)
-
-
 class TokenBlocks:
-    """The packed corpus as batches: training samples by index (see the module docstring), the
-    validation blocks in order."""
+    """The token store as batches: training samples by index (see the module docstring), the
+    validation blocks in order; memory-mapped, so a batch reads its own rows alone."""
 
     def __init__(self, path: str, seed: int):
-        with np.load(path) as f:
-            self.arrays = {k: f[k] for k in f.files if k != "meta"}  # data=sft: labels and positions too
-            self.meta = json.loads(str(f["meta"]))
+        self.arrays, self.meta = open_store(path)  # data=sft: labels and positions too
         self.train, self.val = self.arrays["train"], self.arrays["val"]
         self.sft = "train_labels" in self.arrays
-        self.seed = seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.train))}
-        return self._perms[epoch]
+        self.order = BlockOrder(len(self.train), seed)
 
     def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The rows of samples ``first`` .. ``first + count - 1`` of the training stream, and
         their indices."""
         index = np.arange(first, first + count)
-        n = len(self.train)
-        return np.array([self._perm(int(i) // n)[int(i) % n] for i in index]), index
+        return self.order.blocks(index), index
 
     def samples(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Blocks ``first`` .. ``first + count - 1`` of the training stream, and their indices."""
@@ -243,7 +164,7 @@ class TokenBlocks:
 def make_inputs(kind: str, tokens: np.ndarray, sample_ids: np.ndarray, config, seed: int, call_kwargs: dict,
                 mask_token_id: int | None, unk_token_id: int | None) -> Batch:
     """The batch a task trains on, from packed blocks (see the module docstring)."""
-    ids = torch.from_numpy(np.ascontiguousarray(tokens)).long()
+    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
     kwargs = dict(call_kwargs or {})
     if kind == "causal_lm":
         return Batch((ids,), kwargs, ids.clone())

@@ -1,0 +1,73 @@
+"""The order of a corpus's stream, drawn from ``seed`` without holding anything the size of
+the corpus: which documents are held out, and which block each training sample reads.
+
+- Document ``j`` (in file order, pieces counted as documents) is held out for validation when
+  its draw ``uniform(seed, j)`` is below ``data.val_fraction``; the first document always is
+  (when the fraction is above 0), so a small corpus still has a held-out side.
+- Sample ``i`` of the training stream is block ``order_e(i mod n)`` of epoch ``e = i // n``,
+  where ``order_e`` is a bijection of ``[0, n)`` keyed by ``(seed, e)``: a four-round Feistel
+  network on the fewest even number of bits that covers ``n``, applied again to any value
+  past ``n`` (cycle walking) until it lands inside. Each epoch reads every block once, in an
+  order of its own, and a rank computes the blocks of its batch alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_GOLDEN, _MIX = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
+
+
+def mix(values: np.ndarray, key: int) -> np.ndarray:
+    """A keyed 64-bit hash of each value (splitmix64's finaliser on ``value ^ key``)."""
+    v = (values.astype(np.uint64) ^ np.uint64(key & (2**64 - 1))) * _GOLDEN
+    v ^= v >> np.uint64(30)
+    v *= _MIX
+    v ^= v >> np.uint64(27)
+    return v
+
+
+def held_out(first: int, count: int, seed: int, fraction: float) -> np.ndarray:
+    """Whether documents ``first`` .. ``first + count - 1`` are held out (module docstring)."""
+    if fraction <= 0:
+        return np.zeros(count, dtype=bool)
+    index = np.arange(first, first + count, dtype=np.uint64)
+    draw = (mix(index, _key(seed, -1, 0)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return (draw < fraction) | (index == 0)
+
+
+class BlockOrder:
+    """The training stream's blocks: ``blocks(samples)`` maps sample indices to block rows."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)  # 2 * half bits cover [0, n)
+
+    def blocks(self, samples: np.ndarray) -> np.ndarray:
+        samples = np.asarray(samples, dtype=np.int64)
+        out = np.empty(len(samples), dtype=np.int64)
+        epochs = samples // self.n
+        for epoch in np.unique(epochs):
+            at = epochs == epoch
+            out[at] = self._permute(samples[at] % self.n, int(epoch))
+        return out
+
+    def _permute(self, x: np.ndarray, epoch: int) -> np.ndarray:
+        keys = [_key(self.seed, epoch, r) for r in range(4)]
+        y = self._feistel(x.astype(np.uint64), keys)
+        outside = y >= self.n
+        while outside.any():  # cycle walking: the bijection of [0, 4^half) stays one on [0, n)
+            y[outside] = self._feistel(y[outside], keys)
+            outside = y >= self.n
+        return y.astype(np.int64)
+
+    def _feistel(self, x: np.ndarray, keys: list[int]) -> np.ndarray:
+        half, mask = np.uint64(self.half), np.uint64((1 << self.half) - 1)
+        left, right = x >> half, x & mask
+        for key in keys:
+            left, right = right, left ^ (mix(right, key) & mask)
+        return (left << half) | right
+
+
+def _key(seed: int, epoch: int, round_: int) -> int:
+    return int(mix(np.array([round_ + 4 * (epoch + 1)], dtype=np.uint64), int(seed) * 0x100000001B3 + 12345)[0])
