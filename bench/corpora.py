@@ -9,7 +9,10 @@ trained on them, ``ppsplit.data.toy_corpus``). FULL: 50 MB, 200 MB and 1 GB; QUI
    exits), the worst rank's (the report's ``peak_rss_bytes``) and the store's size against the
    corpus. Target: from the smallest corpus to the largest, ranks within 32 MiB and the
    driver within 128 MiB.
-3. Reading: drawing a training batch (``BatchSource.batch``: the rows, then the task's inputs)
+3. Chat records (``data=sft``, LoRA on a 2-layer LLaMA, the same job otherwise; FULL: 10 and 50
+   MB of the toy chat records, repeated in orders of their own; QUICK: 0.2 and 0.8 MB): the
+   driver's and the worst rank's peak RSS.
+4. Reading: drawing a training batch (``BatchSource.batch``: the rows, then the task's inputs)
    from the memory-mapped store against the same blocks held in memory (what every rank held
    before: the whole packed corpus, loaded), interleaved, on the largest corpus; and the step
    time of that job, for scale.
@@ -28,10 +31,10 @@ import numpy as np
 from bench import harness
 
 NAME = "corpora"
-FULL = dict(sizes_mb=[50, 200, 1000], reads=256, repeats=7)
-QUICK = dict(sizes_mb=[1, 4], reads=16, repeats=3)
+FULL = dict(sizes_mb=[50, 200, 1000], sft_mb=[10, 50], reads=256, repeats=7)
+QUICK = dict(sizes_mb=[1, 4], sft_mb=[0.2, 0.8], reads=16, repeats=3)
 JOB = ["model=gpt2", "stages=2", "steps=2", "verify=off", "seq_len=128", "batch_size=8", "eval.batches=0",
-       "metrics.csv=false", "metrics.plot=false", "data.num_proc=2", "model.config.vocab_size=1000"]
+       "metrics.csv=false", "metrics.plot=false", "model.config.vocab_size=1000"]
 TARGET_RANK_MIB, TARGET_DRIVER_MIB = 32, 128
 # the driver records its own peak as it exits (forked ranks, whose pid differs, do not)
 DRIVER = ("import atexit, os, runpy, sys\n"
@@ -43,6 +46,18 @@ DRIVER = ("import atexit, os, runpy, sys\n"
           "atexit.register(peak)\n"
           "sys.argv[0] = 'ppsplit'\n"
           "runpy.run_module('ppsplit', run_name='__main__')\n")
+
+
+def write_records(path: str, records: list[str], size_mb: float, seed: int = 0) -> int:
+    """``size_mb`` of JSON lines, each copy of ``records`` in an order of its own."""
+    rng = np.random.default_rng(seed)
+    target, written = int(size_mb * 1e6), 0
+    with open(path, "w") as f:
+        while written < target:
+            chunk = "".join(records[i] for i in rng.permutation(len(records)))
+            f.write(chunk)
+            written += len(chunk.encode())
+    return os.path.getsize(path)
 
 
 def write_corpus(path: str, base: list[str], size_mb: float, seed: int = 0) -> int:
@@ -75,10 +90,13 @@ def tokenize_rates(corpus: str, tokenizer: str, repeats: int) -> dict:
     return {n: {"mb_per_s": mb / harness.summary(s)["median"], "seconds": harness.summary(s)} for n, s in samples.items()}
 
 
-def run_job(corpus: str, tokenizer: str) -> dict:
+SFT_JOB = ["model=llama", "model.config.num_hidden_layers=2", "data=sft", "peft=lora", "data.truncate=true"]
+
+
+def run_job(corpus: str, tokenizer: str, kind: list[str] = ("data=text", "model=gpt2", "data.num_proc=2")) -> dict:
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-") as tmp:
         peak_file = os.path.join(tmp, "driver_peak")
-        proc = subprocess.run([sys.executable, "-c", DRIVER, peak_file, *JOB, "data=text", f"data.path={corpus}",
+        proc = subprocess.run([sys.executable, "-c", DRIVER, peak_file, *JOB, *kind, f"data.path={corpus}",
                                f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp}/cache", f"hydra.run.dir={tmp}/run"],
                               capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
@@ -86,8 +104,8 @@ def run_job(corpus: str, tokenizer: str) -> dict:
         with open(os.path.join(tmp, "run", "report.json")) as f:
             report = json.load(f)
         run, data = report["run"], report["data"]
-        return {"corpus_bytes": data["corpus_bytes"], "cache_bytes": data["cache_bytes"],
-                "tokenize_s": data["tokenize_s"], "train_blocks": data["train_blocks"],
+        return {"corpus_bytes": data.get("corpus_bytes", os.path.getsize(corpus)), "cache_bytes": data["cache_bytes"],
+                "tokenize_s": data.get("tokenize_s"), "train_blocks": data["train_blocks"],
                 "driver_peak_bytes": int(open(peak_file).read()),
                 "worst_rank_peak_bytes": max(r["peak_rss_bytes"] for r in run["rank_layout"]),
                 "step_s": float(np.median(run["step_times_s"][1:])),
@@ -147,14 +165,23 @@ def _main(quick: bool, out_dir: str | None) -> dict:
             jobs[mb] = run_job(path, tokenizer)
             if mb != size["sizes_mb"][-1]:
                 shutil.rmtree(os.path.dirname(jobs[mb].pop("store")))
+        sft = {}
+        _, chat_tokenizer = make(os.path.join(folder, "chat"), kb=60, vocab=1000, chat=300)
+        records = open(os.path.join(folder, "chat", "chat.jsonl")).readlines()
+        for mb in size["sft_mb"]:
+            path = os.path.join(folder, f"chat-{mb}mb.jsonl")
+            write_records(path, records, mb)
+            sft[mb] = run_job(path, chat_tokenizer, SFT_JOB)
+            shutil.rmtree(os.path.dirname(sft[mb].pop("store")))
+            os.remove(path)
         rates = tokenize_rates(corpora[size["sizes_mb"][0]], tokenizer, size["repeats"])
         store = jobs[size["sizes_mb"][-1]].pop("store")
         reads = read_times(store, size["reads"], size["repeats"])
         shutil.rmtree(os.path.dirname(store))
-    return _report(size, jobs, rates, reads, quick, out_dir)
+    return _report(size, jobs, sft, rates, reads, quick, out_dir)
 
 
-def _report(size, jobs, rates, reads, quick, out_dir) -> dict:
+def _report(size, jobs, sft, rates, reads, quick, out_dir) -> dict:
     first, last = jobs[size["sizes_mb"][0]], jobs[size["sizes_mb"][-1]]
     rank_growth = (last["worst_rank_peak_bytes"] - first["worst_rank_peak_bytes"]) / 2**20
     driver_growth = (last["driver_peak_bytes"] - first["driver_peak_bytes"]) / 2**20
@@ -165,12 +192,16 @@ def _report(size, jobs, rates, reads, quick, out_dir) -> dict:
     print(harness.table(["corpus", "text", "store", "tokenized (2 proc)", "driver peak", "worst rank peak"], rows))
     print(f"growth from {size['sizes_mb'][0]} to {size['sizes_mb'][-1]} MB: ranks {rank_growth:+.1f} MiB "
           f"(target {TARGET_RANK_MIB}), driver {driver_growth:+.1f} MiB (target {TARGET_DRIVER_MIB})")
+    print(harness.table(["chat records", "store", "driver peak", "worst rank peak"],
+                        [[f"{mb} MB", f"{j['cache_bytes'] / 1e6:.1f} MB", f"{j['driver_peak_bytes'] / 2**20:.0f} MiB",
+                          f"{j['worst_rank_peak_bytes'] / 2**20:.0f} MiB"] for mb, j in sft.items()]))
     print("tokenizing " + ", ".join(f"{n} process{'es' if n != '1' else ''}: {r['mb_per_s']:.2f} MB/s"
                                     for n, r in rates.items()))
     print(f"a batch: mapped {harness.fmt_stats(reads['per_batch_s']['mapped'])}, in memory "
           f"{harness.fmt_stats(reads['per_batch_s']['in_memory'])} (ratio {reads['ratio']:.2f}); "
           f"the step: {harness.fmt_time(last['step_s'])}")
     data = {"sizes_mb": size["sizes_mb"], "jobs": {str(k): v for k, v in jobs.items()}, "tokenize": rates,
+            "sft": {str(k): v for k, v in sft.items()},
             "read": reads, "rank_growth_mib": rank_growth, "driver_growth_mib": driver_growth,
             "read_share_of_step": reads["per_batch_s"]["mapped"]["median"] / last["step_s"],
             "meets_target": bool(rank_growth <= TARGET_RANK_MIB and driver_growth <= TARGET_DRIVER_MIB),

@@ -187,6 +187,8 @@ def test_corpora(tmp_path):
         assert job["cache_bytes"] < job["corpus_bytes"]  # two bytes a token, under three bytes of text a token
     check_sides(data["read"]["per_batch_s"], ("mapped", "in_memory"))
     assert isinstance(data["meets_target"], bool) and positive(data["read_share_of_step"])
+    assert set(data["sft"]) == {"0.2", "0.8"}
+    assert all(positive(j["driver_peak_bytes"]) and positive(j["worst_rank_peak_bytes"]) for j in data["sft"].values())
 
 
 def test_checkpoint_cost(tmp_path):

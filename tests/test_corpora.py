@@ -126,7 +126,8 @@ def test_each_epoch_reads_every_block_once_in_an_order_of_its_own():
     assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[0], np.arange(n))
     assert not np.array_equal(BlockOrder(n, seed=4).blocks(np.arange(n)), epochs[0])
     drawn = held_out(0, 20_000, seed=0, fraction=0.05)
-    assert drawn[0] and 0.045 < drawn.mean() < 0.055
+    assert drawn[0] and drawn.sum() == 1000 and drawn.reshape(-1, 20).sum(1).tolist() == [1] * 1000
+    assert [held_out(0, 160, 0, f).sum() for f in (0.1, 0.3, 0.9)] == [16, 48, 144]  # f of them, every 20
     assert np.array_equal(np.concatenate([held_out(0, 7000, 0, 0.05), held_out(7000, 13_000, 0, 0.05)]), drawn)
     assert not held_out(0, 100, 0, 0.0).any()
 
@@ -159,3 +160,32 @@ def _children(pid: int) -> list[int]:
     for task in glob.glob(f"/proc/{pid}/task/*/children"):
         out += [int(p) for p in open(task).read().split()]
     return out
+
+
+def test_chat_records_stream_into_mapped_rows_packed_full(tmp_path):
+    from ppsplit.config.spec import from_config
+    from ppsplit.data.corpus import TokenBlocks, load_tokenizer, prepare as prepare_store
+    from ppsplit.data.toy_corpus import make
+
+    _, tokenizer = make(str(tmp_path / "toy"), kb=20, vocab=500, chat=200)
+    spec = from_config(compose_cfg("model=llama", "data=sft", f"data.path={tmp_path / 'toy' / 'chat.jsonl'}",
+                                   f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp_path / 'cache'}",
+                                   "data.truncate=true", "seq_len=128", "model.config.vocab_size=500"))
+    blocks = TokenBlocks(prepare_store(spec.data, None, 128, 0, 500, progress=False), seed=0)
+    assert isinstance(blocks.arrays["train_labels"], np.memmap) and blocks.meta["documents"] == 200
+    assert blocks.meta["val_documents"] == 10  # 0.05 of them, one in every 20
+    pad = load_tokenizer(tokenizer).pad_token_id
+    starts = (np.asarray(blocks.arrays["train_positions"]) == 0) & (np.asarray(blocks.train) != pad)
+    assert starts.sum() == 190  # each training example in a row, once (the padding is no example)
+
+
+def test_rows_are_packed_best_fit_as_the_examples_come_nearly_as_full_as_can_be():
+    from ppsplit.data.sft import RowPacker
+
+    lengths = np.random.default_rng(0).integers(5, 128, 2000)
+    packer, rows = RowPacker(128, pad=0, packing=True), []
+    for n in lengths:
+        rows += packer.add(np.full(n, 7, dtype=np.int32), np.ones(n, dtype=bool))
+    rows += packer.finish()
+    assert sum(int((r["ids"] == 7).sum()) for r in rows) == lengths.sum()  # every token once
+    assert len(rows) <= 1.03 * np.ceil(lengths.sum() / 128)  # within 3% of rows filled to the last token

@@ -209,7 +209,7 @@ def test_chat_records_without_a_template_or_an_answer_are_refused(toy, tmp_path)
     lone = tmp_path / "lone.jsonl"
     lone.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
     with pytest.raises(PpsplitError, match="record 1 of lone.jsonl has no assistant turn"):
-        tokenize_examples(spec, _records(str(lone)), tok, 128, "lone.jsonl")
+        list(tokenize_examples(spec, _records(str(lone)), tok, 128, "lone.jsonl"))
     tok.chat_template = None
     with pytest.raises(PpsplitError, match="has no chat template"):
-        tokenize_examples(spec, _records(toy["chat"]), tok, 128, "chat.jsonl")
+        list(tokenize_examples(spec, _records(toy["chat"]), tok, 128, "chat.jsonl"))

@@ -9,8 +9,8 @@
   and packed as they stream by into the token store (``ppsplit.data.pack``,
   ``ppsplit.data.store``) in ``data.cache_dir``, under a fingerprint of the files, the
   tokenizer and these settings, so the next run finds it at once. Documents stay in file
-  order; each is held out for validation with probability ``data.val_fraction`` (drawn from
-  ``seed`` and its index; the first always is); each side is the documents joined with the
+  order; ``data.val_fraction`` of them are held out for validation, drawn from ``seed`` in
+  windows of 20 (``ppsplit.data.order.held_out``); each side is the documents joined with the
   tokenizer's EOS (or SEP) after every one, cut into blocks of ``seq_len`` tokens.
 
 The training stream is indexed by sample, not by step: sample ``i`` is block ``order_e(i % n)``
@@ -120,11 +120,8 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
     meta = {"files": files if len(files) <= 100 else files[:100] + [f"... {len(files)} files"], "tokenizer": folder}
     if not os.path.isdir(path) and spec.sft:
         from ppsplit.data.sft import prepare_sft
-        from ppsplit.data.store import write_arrays
 
-        arrays, sft_meta = prepare_sft(spec, tokenizer, files, seq_len, seed,
-                                       os.path.join(cache_folder(spec), "datasets"), decoder_start)
-        write_arrays(path, arrays, {**sft_meta, **meta})
+        prepare_sft(spec, tokenizer, files, seq_len, seed, path, meta, decoder_start)
     elif not os.path.isdir(path):
         from ppsplit.data.pack import pack_corpus
 

@@ -1,9 +1,12 @@
 """The order of a corpus's stream, drawn from ``seed`` without holding anything the size of
 the corpus: which documents are held out, and which block each training sample reads.
 
-- Document ``j`` (in file order, pieces counted as documents) is held out for validation when
-  its draw ``uniform(seed, j)`` is below ``data.val_fraction``; the first document always is
-  (when the fraction is above 0), so a small corpus still has a held-out side.
+- Documents (in file order, pieces counted as documents) are taken in windows of ``WINDOW``:
+  window ``w`` holds out ``round(WINDOW * f * (w + 1)) - round(WINDOW * f * w)`` of its own
+  (``f``: ``data.val_fraction``), those whose draws from ``(seed, index)`` are the smallest, the
+  corpus's first document always among them. So after every whole window the held-out count is
+  ``f`` of the documents, rounded, spread over the whole corpus, and a small corpus still has a
+  held-out side.
 - Sample ``i`` of the training stream is block ``order_e(i mod n)`` of epoch ``e = i // n``,
   where ``order_e`` is a bijection of ``[0, n)`` keyed by ``(seed, e)``: a four-round Feistel
   network on the fewest even number of bits that covers ``n``, applied again to any value
@@ -27,13 +30,22 @@ def mix(values: np.ndarray, key: int) -> np.ndarray:
     return v
 
 
+WINDOW = 20
+
+
 def held_out(first: int, count: int, seed: int, fraction: float) -> np.ndarray:
     """Whether documents ``first`` .. ``first + count - 1`` are held out (module docstring)."""
-    if fraction <= 0:
+    if fraction <= 0 or count == 0:
         return np.zeros(count, dtype=bool)
-    index = np.arange(first, first + count, dtype=np.uint64)
-    draw = (mix(index, _key(seed, -1, 0)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return (draw < fraction) | (index == 0)
+    w0, w1 = first // WINDOW, (first + count - 1) // WINDOW + 1
+    index = np.arange(w0 * WINDOW, w1 * WINDOW, dtype=np.uint64)
+    draw = mix(index, _key(seed, -1, 0)).reshape(-1, WINDOW)
+    if w0 == 0:
+        draw[0, 0] = 0  # the first document: the smallest draw of its window
+    rank = np.argsort(np.argsort(draw, axis=1, kind="stable"), axis=1)
+    edges = np.round(WINDOW * fraction * np.arange(w0, w1 + 1))
+    held = rank < (edges[1:] - edges[:-1])[:, None]
+    return held.reshape(-1)[first - w0 * WINDOW:first - w0 * WINDOW + count]
 
 
 class BlockOrder:

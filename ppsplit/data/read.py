@@ -98,6 +98,17 @@ def _text(path: str, sample_by: str, advance) -> Iterator[str]:
 
 
 def _jsonl(path: str, field: str, advance) -> Iterator[str]:
+    for number, record in json_records(path, advance):
+        if number == 1 and field not in record:
+            raise PpsplitError(f"data.field={field!r} is not in {os.path.basename(path)}'s records; "
+                               f"allowed: {', '.join(record)}")
+        value = record.get(field)
+        if isinstance(value, str):
+            yield value
+
+
+def json_records(path: str, advance=lambda n: None) -> Iterator[tuple[int, dict]]:
+    """The JSON objects of a JSON-lines file, a line at a time, with their line numbers."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             advance(len(line))
@@ -110,29 +121,56 @@ def _jsonl(path: str, field: str, advance) -> Iterator[str]:
                                    "allowed: a JSON object per line") from None
             if not isinstance(record, dict):
                 raise PpsplitError(f"data.path: {path} does not read as jsonl: line {number} is not a JSON object")
-            if number == 1 and field not in record:
-                raise PpsplitError(f"data.field={field!r} is not in {os.path.basename(path)}'s records; "
-                                   f"allowed: {', '.join(record)}")
-            value = record.get(field)
-            if isinstance(value, str):
-                yield value
+            yield number, record
 
 
-def _parquet(path: str, field: str, advance) -> Iterator[str]:
+def parquet_file(path: str):
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(path)
-        names = table.schema_arrow.names
+        return pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises several kinds
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PpsplitError(f"data.path: {path} does not read as parquet: {text}") from None
+
+
+def parquet_records(path: str, columns: list[str] | None = None, advance=lambda n: None) -> Iterator[dict]:
+    """The rows of a Parquet file, a record batch at a time."""
+    table = parquet_file(path)
+    size, rows = os.path.getsize(path), max(1, table.metadata.num_rows)
+    for batch in table.iter_batches(batch_size=1024, columns=columns):
+        advance(size * batch.num_rows // rows)
+        yield from batch.to_pylist()
+
+
+def _parquet(path: str, field: str, advance) -> Iterator[str]:
+    names = parquet_file(path).schema_arrow.names
     if field not in names:
         raise PpsplitError(f"data.field={field!r} is not in {os.path.basename(path)}'s records; "
                            f"allowed: {', '.join(names)}")
-    size, rows = os.path.getsize(path), max(1, table.metadata.num_rows)
-    for batch in table.iter_batches(batch_size=1024, columns=[field]):
-        advance(size * batch.num_rows // rows)
-        for value in batch.column(0).to_pylist():
-            if isinstance(value, str):
-                yield value
+    for record in parquet_records(path, [field], advance):
+        value = record[field]
+        if isinstance(value, str):
+            yield value
+
+
+class Records:
+    """The records of JSON-lines or Parquet files, in order, read as they are iterated;
+    ``column_names``: the first record's fields."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        if files[0].endswith(".parquet"):
+            self.column_names = parquet_file(files[0]).schema_arrow.names
+        else:
+            first = next((r for _, r in json_records(files[0])), None)
+            if first is None:
+                raise PpsplitError(f"data.path: {files[0]} holds no record; allowed: a JSON object per line")
+            self.column_names = list(first)
+
+    def __iter__(self) -> Iterator[dict]:
+        for path in self.files:
+            if path.endswith(".parquet"):
+                yield from parquet_records(path)
+            else:
+                yield from (record for _, record in json_records(path))

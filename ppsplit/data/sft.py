@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from typing import Iterator
 
 import numpy as np
 
@@ -34,17 +35,11 @@ from ppsplit.config.tasks import IGNORE
 from ppsplit.errors import PpsplitError
 
 
-def read_records(files: list[str], cache: str):
-    """The records of the files, as a ``datasets`` table (its cache in ``cache``)."""
-    import datasets
+def read_records(files: list[str]):
+    """The records of the files, read as a stream (``ppsplit.data.read.Records``)."""
+    from ppsplit.data.read import Records
 
-    datasets.disable_progress_bars()
-    kind = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
-    try:
-        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache)
-    except Exception as err:
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PpsplitError(f"data.path: {files[0]} does not read as {kind} records: {text}") from None
+    return Records(files)
 
 
 def record_format(spec, columns: list[str], source: str) -> str:
@@ -59,14 +54,18 @@ def record_format(spec, columns: list[str], source: str) -> str:
         "data.prompt_field and data.completion_field, naming fields that are there")
 
 
-def tokenize_examples(spec, records, tokenizer, seq_len: int, source: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each record as (token ids, which are scored), truncated or refused past ``seq_len``."""
+def tokenize_examples(spec, records, tokenizer, seq_len: int, source: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Each record as (token ids, which are scored), truncated or refused past ``seq_len``, as
+    the records are read; a record with nothing to score is left out."""
     kind = record_format(spec, records.column_names, source)
     if kind == "conversational" and not getattr(tokenizer, "chat_template", None):
         raise PpsplitError(f"data.tokenizer: {source} is conversational ({spec.sft.messages_field!r}) and the "
                            "tokenizer has no chat template; allowed: a tokenizer whose tokenizer_config.json "
                            "(or chat_template.jinja) holds one, or prompt/completion records")
-    out = []
+    return _examples(spec, kind, records, tokenizer, seq_len, source)
+
+
+def _examples(spec, kind, records, tokenizer, seq_len, source) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for i, record in enumerate(records):
         where = f"record {i + 1} of {source}"
         if kind == "conversational":
@@ -85,8 +84,7 @@ def tokenize_examples(spec, records, tokenizer, seq_len: int, source: str) -> li
         scored = np.asarray(scored, dtype=bool)
         scored[:1] = False  # nothing of its own comes before an example's first token
         if scored.any():
-            out.append((np.asarray(ids, dtype=np.int32), scored))
-    return out
+            yield np.asarray(ids, dtype=np.int32), scored
 
 
 def _prompt_completion(tokenizer, prompt, completion, spec, where: str) -> tuple[list[int], list[bool]]:
@@ -146,56 +144,99 @@ def _added(before: str, after: str, where: str) -> str:
     return after[len(before):]
 
 
-def pack(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int, packing: bool) -> dict:
-    """Rows of ``seq_len``: token ids, labels (the scored tokens, else ``IGNORE``) and, packed,
-    position ids restarting at each example (best fit, longest first), or, unpacked, one
-    example a row and an attention mask."""
-    if packing:
-        rows = _best_fit([len(ids) for ids, _ in examples], seq_len)
-    else:
-        rows = [[i] for i in range(len(examples))]
-    ids = np.full((len(rows), seq_len), pad, dtype=np.int32)
-    labels = np.full((len(rows), seq_len), IGNORE, dtype=np.int32)
-    extra = np.zeros((len(rows), seq_len), dtype=np.int32)  # positions, or the attention mask
-    for r, members in enumerate(rows):
-        at = 0
-        for e in members:
-            tokens, scored = examples[e]
-            n = len(tokens)
-            ids[r, at:at + n] = tokens
-            labels[r, at:at + n] = np.where(scored, tokens, IGNORE)
-            extra[r, at:at + n] = np.arange(n) if packing else 1
-            at += n
-        if packing and at < seq_len:
-            extra[r, at:] = np.arange(seq_len - at)  # the padding is an example of its own, never scored
-    return {"ids": ids, "labels": labels, ("positions" if packing else "mask"): extra}
+def pack(examples, seq_len: int, pad: int, packing: bool) -> dict:
+    """Every example in rows (``RowPacker``), as whole arrays."""
+    packer, rows = RowPacker(seq_len, pad, packing), []
+    for tokens, scored in examples:
+        rows += packer.add(tokens, scored)
+    rows += packer.finish()
+    return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-def _best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Examples into rows: longest first, each into the row it fills best (the least room left)."""
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, row), sorted
-    for e in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        at = bisect.bisect_left(free, (lengths[e], -1))
-        if at < len(free):
-            room, row = free.pop(at)
+class RowPacker:
+    """Examples into rows of ``seq_len`` as they come: token ids, labels (the scored tokens, else
+    ``IGNORE``) and, packed, position ids restarting at each example, or, unpacked, one example a
+    row and an attention mask. Packed, the examples wait until ``BUFFER_TOKENS`` of them have
+    come, then go longest first each into the open row it fills best (the least room left), else
+    a new one; past ``OPEN_SLOTS`` token slots in open rows the fullest is done. So memory stays bounded and
+    rows come out nearly as full as packing all examples at once would make them. ``add`` and
+    ``finish`` return the rows done."""
+
+    BUFFER_TOKENS = 1 << 21  # waiting examples' tokens
+    OPEN_SLOTS = 1 << 19  # token slots in open rows
+
+    def __init__(self, seq_len: int, pad: int, packing: bool):
+        self.seq_len, self.pad, self.packing = seq_len, pad, packing
+        self.open: dict[int, dict] = {}
+        self.room: list[tuple[int, int]] = []  # (room left, row), sorted
+        self.made, self.most_open = 0, max(64, self.OPEN_SLOTS // seq_len)
+        self.waiting: list[tuple[np.ndarray, np.ndarray]] = []
+        self.waiting_tokens = 0
+
+    def add(self, tokens: np.ndarray, scored: np.ndarray) -> list[dict]:
+        if not self.packing:
+            return self._place(tokens, scored)
+        self.waiting.append((tokens, scored))
+        self.waiting_tokens += len(tokens)
+        return self._drain() if self.waiting_tokens >= self.BUFFER_TOKENS else []
+
+    def _drain(self) -> list[dict]:
+        order = sorted(range(len(self.waiting)), key=lambda i: (-len(self.waiting[i][0]), i))
+        done = [row for i in order for row in self._place(*self.waiting[i])]
+        self.waiting, self.waiting_tokens = [], 0
+        return done
+
+    def _place(self, tokens: np.ndarray, scored: np.ndarray) -> list[dict]:
+        n, done = len(tokens), []
+        at = bisect.bisect_left(self.room, (n, -1)) if self.packing else len(self.room)
+        if at < len(self.room):
+            room, key = self.room.pop(at)
         else:
-            room, row = capacity, len(rows)
-            rows.append([])
-        rows[row].append(e)
-        if room - lengths[e] > 0:
-            bisect.insort(free, (room - lengths[e], row))
-    return rows
+            room, key = self.seq_len, self.made
+            self.open[key] = self._row()
+            self.made += 1
+        row, start = self.open[key], self.seq_len - room
+        row["ids"][start:start + n] = tokens
+        row["labels"][start:start + n] = np.where(scored, tokens, IGNORE)
+        row["positions" if self.packing else "mask"][start:start + n] = np.arange(n) if self.packing else 1
+        if self.packing and room > n:
+            bisect.insort(self.room, (room - n, key))
+        else:
+            done.append(self._done(key, room - n))
+        if len(self.room) > self.most_open:
+            room, key = self.room.pop(0)
+            done.append(self._done(key, room))
+        return done
+
+    def finish(self) -> list[dict]:
+        rows = self._drain() if self.waiting else []
+        rows += [self._done(key, room) for room, key in sorted(self.room, key=lambda r: r[1])]
+        self.room = []
+        return rows
+
+    def _row(self) -> dict:
+        extra = "positions" if self.packing else "mask"
+        return {"ids": np.full(self.seq_len, self.pad, dtype=np.int32),
+                "labels": np.full(self.seq_len, IGNORE, dtype=np.int32), extra: np.zeros(self.seq_len, dtype=np.int32)}
+
+    def _done(self, key: int, room: int) -> dict:
+        row = self.open.pop(key)
+        if self.packing and room:
+            row["positions"][self.seq_len - room:] = np.arange(room)  # the padding: its own, never scored
+        return row
 
 
-def seq2seq_examples(spec, records, tokenizer, seq_len: int, source: str) -> list[tuple[list[int], list[int]]]:
+def seq2seq_examples(spec, records, tokenizer, seq_len: int, source: str) -> Iterator[tuple[list[int], list[int]]]:
     """Each prompt-completion record as (encoder ids, decoder labels), truncated or refused past
     ``seq_len`` (each side on its own)."""
     if record_format(spec, records.column_names, source) != "prompt_completion":
         raise PpsplitError(f"data.path: {source} is conversational; an encoder-decoder takes prompt/completion "
                            f"records ({spec.sft.prompt_field!r} to the encoder, {spec.sft.completion_field!r} to the "
                            "decoder); allowed: such records, or a causal LM")
-    out = []
+    return _seq2seq(spec, records, tokenizer, seq_len, source)
+
+
+def _seq2seq(spec, records, tokenizer, seq_len, source) -> Iterator[tuple[list[int], list[int]]]:
     for i, record in enumerate(records):
         where = f"record {i + 1} of {source}"
         ids, scored = _prompt_completion(tokenizer, record[spec.sft.prompt_field], record[spec.sft.completion_field],
@@ -207,53 +248,69 @@ def seq2seq_examples(spec, records, tokenizer, seq_len: int, source: str) -> lis
                 raise PpsplitError(f"data.truncate=false: {where} is {len(side)} tokens on one side, longer than "
                                    f"seq_len={seq_len}; allowed: data.truncate=true, a larger seq_len, or shorter "
                                    "examples")
-        out.append((head[:seq_len], tail[:seq_len]))
-    return out
+        yield head[:seq_len], tail[:seq_len]
 
 
-def pad_seq2seq(examples: list[tuple[list[int], list[int]]], seq_len: int, pad: int, start: int) -> dict:
-    """One example a row: the encoder's ids and mask, the decoder's labels and its inputs (the
+def seq2seq_row(head: list[int], tail: list[int], seq_len: int, pad: int, start: int) -> dict:
+    """One example's row: the encoder's ids and mask, the decoder's labels and its inputs (the
     labels shifted right behind ``start``)."""
-    n = len(examples)
-    ids, mask = np.full((n, seq_len), pad, dtype=np.int32), np.zeros((n, seq_len), dtype=np.int32)
-    labels, decoder = np.full((n, seq_len), IGNORE, dtype=np.int32), np.full((n, seq_len), pad, dtype=np.int32)
-    for r, (head, tail) in enumerate(examples):
-        ids[r, :len(head)], mask[r, :len(head)] = head, 1
-        labels[r, :len(tail)] = tail
-        decoder[r, 0], decoder[r, 1:len(tail)] = start, tail[:-1]
+    ids, mask = np.full(seq_len, pad, dtype=np.int32), np.zeros(seq_len, dtype=np.int32)
+    labels, decoder = np.full(seq_len, IGNORE, dtype=np.int32), np.full(seq_len, pad, dtype=np.int32)
+    ids[:len(head)], mask[:len(head)] = head, 1
+    labels[:len(tail)] = tail
+    decoder[0], decoder[1:len(tail)] = start, tail[:-1]
     return {"ids": ids, "mask": mask, "labels": labels, "decoder": decoder}
 
 
-def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, cache: str,
-                decoder_start: int | None = None) -> tuple[dict, dict]:
-    """Every record tokenized, split into training and held-out examples, and packed: the arrays
-    of the cache file, and what its meta records (``cache``: the records' own cache)."""
+def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, path: str, meta: dict,
+                decoder_start: int | None = None) -> None:
+    """Every record tokenized as it is read, held out or not (``ppsplit.data.order.held_out``,
+    by example), made into rows and appended to the token store at ``path``."""
+    from ppsplit.data.order import held_out
+    from ppsplit.data.store import StoreWriter
+
     source = os.path.basename(files[0]) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
-    records = read_records(files, cache)
+    records = read_records(files)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if decoder_start is not None:  # an encoder-decoder
         examples = seq2seq_examples(spec, records, tokenizer, seq_len, source)
     else:
         examples = tokenize_examples(spec, records, tokenizer, seq_len, source)
-    if not examples:
-        raise PpsplitError(f"data.path: {source} holds no example with a token to score; allowed: records "
-                           "with answers")
-    order = np.random.default_rng([seed, 7]).permutation(len(examples))
-    n_val = int(round(spec.val_fraction * len(examples))) if spec.val_fraction > 0 else 0
-    if spec.val_fraction > 0 and len(examples) >= 2:
-        n_val = min(max(n_val, 1), len(examples) - 1)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    arrays = {}
-    for part, picked in (("val", order[:n_val]), ("train", order[n_val:])):
-        chosen = [examples[i] for i in picked]
-        rows = pad_seq2seq(chosen, seq_len, pad, decoder_start) if decoder_start is not None else \
-            pack(chosen, seq_len, pad, spec.sft.packing)
-        for key, value in rows.items():
-            arrays[part if key == "ids" else f"{part}_{key}"] = value
-    scored = sum(len(tail) for _, tail in examples) if decoder_start is not None else \
-        int(sum(s.sum() for _, s in examples))
-    meta = {"documents": len(examples), "val_documents": n_val, "format": record_format(
-        spec, records.column_names, source), "scored_tokens": int(scored)}
-    return arrays, meta
+        packers = {part: RowPacker(seq_len, pad, spec.sft.packing) for part in ("train", "val")}
+    counts, scored, draws = {"train": 0, "val": 0}, 0, np.zeros(0, dtype=bool)
+    with StoreWriter(path) as out:
+        for n, example in enumerate(examples):
+            if n % 4096 == 0:
+                draws = held_out(n, 4096, seed, spec.val_fraction)
+            part = "val" if draws[n % 4096] else "train"
+            counts[part] += 1
+            if decoder_start is not None:
+                scored += len(example[1])
+                _write_rows(out, part, [seq2seq_row(*example, seq_len, pad, decoder_start)])
+            else:
+                scored += int(example[1].sum())
+                _write_rows(out, part, packers[part].add(*example))
+        if decoder_start is None:
+            for part, packer in packers.items():
+                _write_rows(out, part, packer.finish())
+        if not sum(counts.values()):
+            raise PpsplitError(f"data.path: {source} holds no example with a token to score; allowed: records "
+                               "with answers")
+        if not counts["train"]:
+            raise PpsplitError(f"data.val_fraction={spec.val_fraction:g}: {source} holds one example, and it is held "
+                               "out; allowed: more examples, or data.val_fraction=0")
+        keys = ("ids", "mask", "labels", "decoder") if decoder_start is not None else \
+            ("ids", "labels", "positions" if spec.sft.packing else "mask")
+        names = [part if key == "ids" else f"{part}_{key}" for part in ("train", "val") for key in keys]
+        shapes = {name: (out.count(name) // seq_len, seq_len) for name in names}
+        out.finish(shapes, {**meta, "documents": sum(counts.values()), "val_documents": counts["val"],
+                            "format": record_format(spec, records.column_names, source), "scored_tokens": scored})
+
+
+def _write_rows(out, part: str, rows: list[dict]) -> None:
+    for row in rows:
+        for key, values in row.items():
+            out.append(part if key == "ids" else f"{part}_{key}", values)
 
 
 def sft_inputs(arrays: dict, part: str, rows, call_kwargs: dict | None):

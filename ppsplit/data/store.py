@@ -22,7 +22,7 @@ import shutil
 
 import numpy as np
 
-FORMAT = 2  # 1: a single .npz, read whole (rebuilt, never read: its name differs)
+FORMAT = 3  # 1: a single .npz, read whole; 2: data=sft split by a permutation (neither read: the key differs)
 
 
 class StoreWriter:
@@ -69,14 +69,6 @@ class StoreWriter:
         if kind is not None:
             self._close()
             shutil.rmtree(self.partial, ignore_errors=True)
-
-
-def write_arrays(path: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """A store of whole arrays (data=sft's rows)."""
-    with StoreWriter(path) as out:
-        for name, values in arrays.items():
-            out.append(name, values)
-        out.finish({name: values.shape for name, values in arrays.items()}, meta)
 
 
 def size_of(path: str) -> int:
