@@ -1,6 +1,6 @@
 """What a corpus costs to prepare and to read, on corpora generated here (the standard library's
 docstrings, paragraph order shuffled anew in every copy; a byte-level BPE of 1000 tokens
-trained on them, ``ppsplit.data.toy_corpus``). FULL: 50 MB, 200 MB and 1 GB; QUICK: 1 and 4 MB.
+trained on them, ``ppsplit.data.toy_corpus``). FULL: 50 MB, 200 MB and 1 GB; QUICK: 0.5 and 2 MB.
 
 1. Tokenizing: MB/s at ``data.num_proc`` 1 and 2, on the smallest corpus, the two interleaved.
 2. Memory, per corpus: a real ppsplit job (``data=text``, 2 stages on 2 local ranks,
@@ -10,7 +10,7 @@ trained on them, ``ppsplit.data.toy_corpus``). FULL: 50 MB, 200 MB and 1 GB; QUI
    corpus. Target: from the smallest corpus to the largest, ranks within 32 MiB and the
    driver within 128 MiB.
 3. Chat records (``data=sft``, LoRA on a 2-layer LLaMA, the same job otherwise; FULL: 10 and 50
-   MB of the toy chat records, repeated in orders of their own; QUICK: 0.2 and 0.8 MB): the
+   MB of the toy chat records, repeated in orders of their own; QUICK: 0.2 MB): the
    driver's and the worst rank's peak RSS.
 4. Reading: drawing a training batch (``BatchSource.batch``: the rows, then the task's inputs)
    from the memory-mapped store against the same blocks held in memory (what every rank held
@@ -29,10 +29,11 @@ import tempfile
 import numpy as np
 
 from bench import harness
+from ppsplit.parallel.stage_state import peak_rss_bytes
 
 NAME = "corpora"
-FULL = dict(sizes_mb=[50, 200, 1000], sft_mb=[10, 50], reads=256, repeats=7)
-QUICK = dict(sizes_mb=[1, 4], sft_mb=[0.2, 0.8], reads=16, repeats=3)
+FULL = dict(sizes_mb=[50, 200, 1000], sft_mb=[10, 50], reads=256, repeats=7, kb=300)
+QUICK = dict(sizes_mb=[0.5, 2], sft_mb=[0.2], reads=16, repeats=3, kb=60)
 JOB = ["model=gpt2", "stages=2", "steps=2", "verify=off", "seq_len=128", "batch_size=8", "eval.batches=0",
        "metrics.csv=false", "metrics.plot=false", "model.config.vocab_size=1000"]
 TARGET_RANK_MIB, TARGET_DRIVER_MIB = 32, 128
@@ -93,23 +94,45 @@ def tokenize_rates(corpus: str, tokenizer: str, repeats: int) -> dict:
 SFT_JOB = ["model=llama", "model.config.num_hidden_layers=2", "data=sft", "peft=lora", "data.truncate=true"]
 
 
-def run_job(corpus: str, tokenizer: str, kind: list[str] = ("data=text", "model=gpt2", "data.num_proc=2")) -> dict:
+def run_job(corpus: str, tokenizer: str, kind: list[str] = ("data=text", "model=gpt2", "data.num_proc=2"),
+            fresh: bool = True) -> dict:
+    """A job's figures. ``fresh``: in a new interpreter, whose own peak is the driver's; else (the
+    smoke test) in this process, whose peak says nothing of the driver."""
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-") as tmp:
-        peak_file = os.path.join(tmp, "driver_peak")
-        proc = subprocess.run([sys.executable, "-c", DRIVER, peak_file, *JOB, *kind, f"data.path={corpus}",
-                               f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp}/cache", f"hydra.run.dir={tmp}/run"],
-                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise RuntimeError((proc.stdout + proc.stderr)[-2000:])
+        overrides = [*JOB, *kind, f"data.path={corpus}", f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp}/cache"]
+        if fresh:
+            peak_file = os.path.join(tmp, "driver_peak")
+            proc = subprocess.run([sys.executable, "-c", DRIVER, peak_file, *overrides, f"hydra.run.dir={tmp}/run"],
+                                  capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if proc.returncode != 0:
+                raise RuntimeError((proc.stdout + proc.stderr)[-2000:])
+            driver_peak = int(open(peak_file).read())
+        else:
+            _in_process(overrides, os.path.join(tmp, "run"))
+            driver_peak = peak_rss_bytes()
         with open(os.path.join(tmp, "run", "report.json")) as f:
             report = json.load(f)
         run, data = report["run"], report["data"]
         return {"corpus_bytes": data.get("corpus_bytes", os.path.getsize(corpus)), "cache_bytes": data["cache_bytes"],
                 "tokenize_s": data.get("tokenize_s"), "train_blocks": data["train_blocks"],
-                "driver_peak_bytes": int(open(peak_file).read()),
+                "driver_peak_bytes": driver_peak,
                 "worst_rank_peak_bytes": max(r["peak_rss_bytes"] for r in run["rank_layout"]),
                 "step_s": float(np.median(run["step_times_s"][1:])),
                 "store": _keep_store(os.path.join(tmp, "cache"))}
+
+
+def _in_process(overrides: list[str], run_dir: str) -> None:
+    import contextlib
+    import io
+
+    import ppsplit.app.cli
+    from bench.finetune import compose
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = ppsplit.app.cli.run(compose(overrides), run_dir)
+    if code != 0:
+        raise RuntimeError(out.getvalue()[-2000:])
 
 
 def _keep_store(cache: str) -> str:
@@ -156,22 +179,21 @@ def _main(quick: bool, out_dir: str | None) -> dict:
 
     size = QUICK if quick else FULL
     with tempfile.TemporaryDirectory(prefix="ppsplit-bench-corpora-") as folder:
-        _, tokenizer = make(folder, kb=300, vocab=1000)
-        base = docstrings(300_000)
+        _, tokenizer = make(folder, kb=size["kb"], vocab=1000, chat=300)  # one tokenizer, with a chat template
+        base = docstrings(size["kb"] * 1000)
         corpora = {mb: os.path.join(folder, f"corpus-{mb}mb.txt") for mb in size["sizes_mb"]}
         jobs = {}
         for mb, path in corpora.items():
             write_corpus(path, base, mb)
-            jobs[mb] = run_job(path, tokenizer)
+            jobs[mb] = run_job(path, tokenizer, fresh=not quick)
             if mb != size["sizes_mb"][-1]:
                 shutil.rmtree(os.path.dirname(jobs[mb].pop("store")))
         sft = {}
-        _, chat_tokenizer = make(os.path.join(folder, "chat"), kb=60, vocab=1000, chat=300)
-        records = open(os.path.join(folder, "chat", "chat.jsonl")).readlines()
+        records = open(os.path.join(folder, "chat.jsonl")).readlines()
         for mb in size["sft_mb"]:
             path = os.path.join(folder, f"chat-{mb}mb.jsonl")
             write_records(path, records, mb)
-            sft[mb] = run_job(path, chat_tokenizer, SFT_JOB)
+            sft[mb] = run_job(path, tokenizer, SFT_JOB, fresh=not quick)
             shutil.rmtree(os.path.dirname(sft[mb].pop("store")))
             os.remove(path)
         rates = tokenize_rates(corpora[size["sizes_mb"][0]], tokenizer, size["repeats"])

@@ -150,6 +150,11 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_layout(toy,
     assert second.returncode == 0, second.stderr[-3000:]
     run = json.load(open(tmp_path / "b" / "report.json"))["run"]
     assert run["ok"] and run["resumed_from"]["step"] == 2
+    for changed, said in (("peft.alpha=32", "alpha=16.0 there, 32.0 here"), ("seed=1", "seed=0 there, 1 here")):
+        other = run_cli(*common, "steps=2", changed, f"checkpoint.load={tmp_path / 'ck'}",
+                        f"hydra.run.dir={tmp_path / 'c'}", cwd=tmp_path)
+        lines = other.stderr.strip().splitlines()
+        assert other.returncode == 2 and len(lines) == 1 and said in lines[0], other.stderr[-2000:]
 
 
 LAYOUTS = [("llama", "parallel.dp=2", "1f1b"),  # FSDP2 units that mix the frozen base and the adapters

@@ -124,8 +124,10 @@ def _run_job(spec: JobSpec, output_dir: str, say, checked: Checked, target, rest
     resume = None
     if spec.checkpoint.load:
         from ppsplit.checkpoint.dcp import check_resumable
+        from ppsplit.checkpoint.meta import peft_record
 
-        resume = check_resumable(spec.checkpoint.load, checked.meta_model)
+        resume = check_resumable(spec.checkpoint.load, checked.meta_model,
+                                 peft_record(spec) if spec.peft.on else None)
     data_file = _prepare_data(spec, checked.config, say)
     started_at = time.time()
     if spec.launcher.name == "local" and spec.steps > 0:

@@ -12,10 +12,12 @@ from ppsplit.checkpoint.folder import check_loadable, read_meta
 from ppsplit.errors import PpsplitError
 
 
-def check_resumable(folder: str, model) -> dict:
+def check_resumable(folder: str, model, peft: dict | None = None) -> dict:
     """Where a run resumes, refusing a checkpoint of another model before any rank starts: its
     keys must be the model's, both ways, each of the same shape (from DCP's metadata); the
-    config fields that differ are named when ``ppsplit.json`` recorded the config."""
+    config fields that differ are named when ``ppsplit.json`` recorded the config. Adapters
+    (``peft``: this run's record of them) resume only with their own scale and over their own
+    base: the same ``peft.alpha`` and ``model.pretrained`` (or ``seed``, for a base built from it)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # an adapted model's class is its base's
     meta = check_loadable(folder, type(base).__name__)
     from ppsplit.checkpoint.reader import read_metadata
@@ -38,8 +40,21 @@ def check_resumable(folder: str, model) -> dict:
         raise PpsplitError(f"checkpoint.load={folder!r} holds another model: {first}"
                            + (f"; saved with {changed}" if changed else "")
                            + "; allowed: a checkpoint of the same model config")
+    if peft and meta.get("peft"):
+        _check_adapters_match(folder, meta["peft"], peft)
     return {"checkpoint": folder, "step": int(meta["step"]),
             "next_sample": (meta.get("data") or {}).get("next_sample")}
+
+
+def _check_adapters_match(folder: str, saved: dict, now: dict) -> None:
+    keys = [("alpha", "peft.alpha"), ("base", "model.pretrained")]
+    if saved.get("base") is None and now.get("base") is None:
+        keys.append(("seed", "seed"))  # the base is the one built from seed
+    changed = [f"{name}={saved.get(key)!r} there, {now.get(key)!r} here" for key, name in keys
+               if saved.get(key) != now.get(key)]
+    if changed:
+        raise PpsplitError(f"checkpoint.load={folder!r} holds adapters trained with {'; '.join(changed)}; allowed: "
+                           "the adapters' own peft.alpha and base (model.pretrained, or seed for a base built from it)")
 
 
 def _config_changes(saved: dict | None, config) -> str:

@@ -40,11 +40,11 @@ def checkpoint_meta(spec: JobSpec, split, resume: dict | None, source, config=No
         "optimizer": spec.optimizer,
         "layout": {"stages": len(split), "split_points": split.points, "schedule": spec.schedule,
                    "dp": spec.parallel.dp, "tp": spec.parallel.tp},
-        **({"peft": _peft(spec)} if spec.peft.on else {}),  # the checkpoint holds these adapters alone
+        **({"peft": peft_record(spec)} if spec.peft.on else {}),  # the checkpoint holds these adapters alone
     }
 
 
-def _peft(spec: JobSpec) -> dict:
+def peft_record(spec: JobSpec) -> dict:
     """The adapters, and the base they go with (``model.pretrained``; None: built from ``seed``)."""
     p = spec.peft
 
