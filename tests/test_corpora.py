@@ -56,8 +56,8 @@ def test_processes_pack_what_one_process_packs_and_ranks_map_it(toy, tmp_path, m
     tokenizer = load_tokenizer(toy["tokenizer"])
     docs = [d for d in open(toy["txt"]).read().split("\n\n") if d.strip()]
     expected = tokenizer(docs[0], add_special_tokens=False)["input_ids"] + [separator_of(tokenizer)]
-    flat = np.concatenate([a["val"].reshape(-1)])  # document 0 is always held out: it opens the held-out side
-    assert flat[:len(expected)].tolist() == expected[:len(flat)]
+    held = a["val"].reshape(-1)  # document 0 is always held out: it opens the held-out side
+    assert held[:len(expected)].tolist() == expected[:len(held)]
     blocks = TokenBlocks(two, seed=0)
     assert isinstance(blocks.train, np.memmap) and blocks.train.dtype == np.uint16  # 500 ids fit in two bytes
     assert [p for p in os.listdir(tmp_path / "two") if ".partial-" in p] == []

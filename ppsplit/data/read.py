@@ -134,9 +134,10 @@ def parquet_file(path: str):
         raise PpsplitError(f"data.path: {path} does not read as parquet: {text}") from None
 
 
-def parquet_records(path: str, columns: list[str] | None = None, advance=lambda n: None) -> Iterator[dict]:
-    """The rows of a Parquet file, a record batch at a time."""
-    table = parquet_file(path)
+def parquet_records(path: str, columns: list[str] | None = None, advance=lambda n: None,
+                    table=None) -> Iterator[dict]:
+    """The rows of a Parquet file (``table``: it, opened already), a record batch at a time."""
+    table = table or parquet_file(path)
     size, rows = os.path.getsize(path), max(1, table.metadata.num_rows)
     for batch in table.iter_batches(batch_size=1024, columns=columns):
         advance(size * batch.num_rows // rows)
@@ -144,11 +145,12 @@ def parquet_records(path: str, columns: list[str] | None = None, advance=lambda 
 
 
 def _parquet(path: str, field: str, advance) -> Iterator[str]:
-    names = parquet_file(path).schema_arrow.names
+    table = parquet_file(path)
+    names = table.schema_arrow.names
     if field not in names:
         raise PpsplitError(f"data.field={field!r} is not in {os.path.basename(path)}'s records; "
                            f"allowed: {', '.join(names)}")
-    for record in parquet_records(path, [field], advance):
+    for record in parquet_records(path, [field], advance, table):
         value = record[field]
         if isinstance(value, str):
             yield value
