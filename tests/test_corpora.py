@@ -115,6 +115,17 @@ def test_thousands_of_files_under_a_glob_pack_as_their_concatenation(toy, tmp_pa
     assert meta["documents"] > 1000 and len(meta["files"]) == 101  # the first hundred named, and the count
 
 
+def test_a_jsonl_field_missing_from_the_first_record_is_named_after_blank_lines(tmp_path):
+    from ppsplit import PpsplitError
+    from ppsplit.data.read import _jsonl
+
+    path = tmp_path / "lead.jsonl"
+    path.write_text("\n  \n" + json.dumps({"body": "a document"}) + "\n")
+    with pytest.raises(PpsplitError, match="data.field='text' is not in lead.jsonl's records; allowed: body"):
+        list(_jsonl(str(path), "text", lambda n: None))
+    assert list(_jsonl(str(path), "body", lambda n: None)) == ["a document"]
+
+
 def test_each_epoch_reads_every_block_once_in_an_order_of_its_own():
     from ppsplit.data.order import BlockOrder, held_out
 
@@ -177,6 +188,31 @@ def test_chat_records_stream_into_mapped_rows_packed_full(tmp_path):
     pad = load_tokenizer(tokenizer).pad_token_id
     starts = (np.asarray(blocks.arrays["train_positions"]) == 0) & (np.asarray(blocks.train) != pad)
     assert starts.sum() == 190  # each training example in a row, once (the padding is no example)
+
+
+def test_chat_records_tokenize_in_processes_as_in_one_and_a_worker_refusal_is_one_line(tmp_path, monkeypatch):
+    import ppsplit.data.sft as sft
+    from ppsplit import PpsplitError
+    from ppsplit.config.spec import from_config
+    from ppsplit.data.corpus import prepare as prepare_store
+    from ppsplit.data.store import open_store
+    from ppsplit.data.toy_corpus import make
+
+    monkeypatch.setattr(sft, "RECORDS", 16)  # thirteen tasks: the pool takes them
+    _, tokenizer = make(str(tmp_path / "toy"), kb=20, vocab=500, chat=200)
+
+    def spec(procs, *extra):
+        return from_config(compose_cfg("model=llama", "data=sft", f"data.path={tmp_path / 'toy' / 'chat.jsonl'}",
+                                       f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp_path / str(procs)}",
+                                       f"data.num_proc={procs}", "model.config.vocab_size=500", *extra)).data
+
+    paths = [prepare_store(spec(n, "data.truncate=true"), None, 128, 0, 500, progress=False) for n in (1, 2)]
+    (one, one_meta), (two, two_meta) = (open_store(p) for p in paths)
+    assert one_meta["num_proc"] == 1 and two_meta["num_proc"] == 2 and one_meta["documents"] == 200
+    assert one.keys() == two.keys() and all(np.array_equal(one[k], two[k]) for k in one)
+    with pytest.raises(PpsplitError, match="data.truncate=false: record 1 of chat.jsonl is") as info:
+        prepare_store(spec(2), None, 16, 0, 500, progress=False)
+    assert "\n" not in str(info.value) and os.listdir(tmp_path / "2") == [os.path.basename(paths[1])]
 
 
 def test_rows_are_packed_best_fit_as_the_examples_come_nearly_as_full_as_can_be():

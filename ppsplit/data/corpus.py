@@ -121,7 +121,7 @@ def prepare(spec: DataSpec, pretrained: str | None, seq_len: int, seed: int, voc
     if not os.path.isdir(path) and spec.sft:
         from ppsplit.data.sft import prepare_sft
 
-        prepare_sft(spec, tokenizer, files, seq_len, seed, path, meta, decoder_start)
+        prepare_sft(spec, tokenizer, files, seq_len, seed, path, meta, decoder_start, progress)
     elif not os.path.isdir(path):
         from ppsplit.data.pack import pack_corpus
 

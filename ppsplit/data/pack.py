@@ -35,7 +35,7 @@ def pack_corpus(spec: DataSpec, files: list[str], tokenizer, separator: int, seq
     total = sum(os.path.getsize(f) for f in files)
     docs = held = 0
     started, used = time.perf_counter(), {}
-    with StoreWriter(path) as out, _bar(total, progress) as bar:
+    with StoreWriter(path) as out, progress_bar(total, progress) as bar:
         texts = documents(spec, files, bar.update)
         for ids, lengths in tokenized(_batches(texts), tokenizer, num_proc(spec), dtype, used):
             side = held_out(docs, len(lengths), seed, spec.val_fraction)
@@ -84,9 +84,15 @@ def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
 
 def tokenized(batches: Iterator[list[str]], tokenizer, processes: int, dtype: np.dtype,
               used: dict) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Each batch's token ids (flat) and its documents' lengths, in order; in this process when
-    there is one batch or one process, else in a pool of forked ones, each on one core
-    (``used["processes"]``: which)."""
+    """Each batch's token ids (flat) and its documents' lengths, in order (:func:`in_order`)."""
+    return in_order(batches, _encode, (tokenizer, dtype), processes, used)
+
+
+def in_order(batches: Iterator, work, state: tuple, processes: int, used: dict) -> Iterator:
+    """``work(*state, batch)`` of each batch, in order: in this process when there is one batch
+    or one process, else in a pool of forked ones, each on one core (``used["processes"]``:
+    which), at most two batches a process in flight. An error in a batch is raised here, and
+    ends the pool."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process, a core; forking then stays quiet
     try:
@@ -94,9 +100,9 @@ def tokenized(batches: Iterator[list[str]], tokenizer, processes: int, dtype: np
         used["processes"] = 1 if len(first) < 2 else processes
         if used["processes"] == 1:
             for batch in itertools.chain(first, batches):
-                yield _encode(tokenizer, batch, dtype)
+                yield work(*state, batch)
             return
-        yield from _in_pool(itertools.chain(first, batches), tokenizer, processes, dtype)
+        yield from _in_pool(itertools.chain(first, batches), work, state, processes)
     finally:
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -107,18 +113,18 @@ def tokenized(batches: Iterator[list[str]], tokenizer, processes: int, dtype: np
 _STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
 
 
-def _in_pool(batches, tokenizer, processes, dtype):
+def _in_pool(batches, work, state, processes):
     # the stop signals wait while the pool forks: a worker takes its own handlers before any arrives
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
     try:
-        pool = multiprocessing.get_context("fork").Pool(processes, _start_worker, (tokenizer, dtype))
+        pool = multiprocessing.get_context("fork").Pool(processes, _start_worker, (work, state))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     done = False
     try:
         window = collections.deque()
         for batch in batches:
-            window.append(pool.apply_async(_encode_in_worker, (batch,)))
+            window.append(pool.apply_async(_in_worker, (batch,)))
             if len(window) >= 2 * processes:
                 yield window.popleft().get()
         while window:
@@ -129,7 +135,7 @@ def _in_pool(batches, tokenizer, processes, dtype):
         pool.join()
 
 
-def _encode(tokenizer, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+def _encode(tokenizer, dtype, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     if getattr(tokenizer, "is_fast", False):  # the Rust tokenizer itself: the same ids, a third faster
         ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
     else:
@@ -141,19 +147,20 @@ def _encode(tokenizer, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer, dtype) -> None:
-    """A pool process: ends with the driver, leaves Ctrl-C to it, dies of a stop signal."""
+def _start_worker(work, state) -> None:
+    """A pool process (forked: ``work`` and ``state`` are its own copies, never pickled): ends
+    with the driver, leaves Ctrl-C to it, dies of a stop signal."""
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     for sig in _STOPS:
         signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
-    _WORKER.update(tokenizer=tokenizer, dtype=dtype)
+    _WORKER.update(work=work, state=state)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode(_WORKER["tokenizer"], texts, _WORKER["dtype"])
+def _in_worker(batch):
+    return _WORKER["work"](*_WORKER["state"], batch)
 
 
 class _NoBar:
@@ -167,7 +174,7 @@ class _NoBar:
         pass
 
 
-def _bar(total: int, progress: bool):
+def progress_bar(total: int, progress: bool):
     if not progress:
         return _NoBar()
     from tqdm.auto import tqdm

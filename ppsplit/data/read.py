@@ -98,10 +98,12 @@ def _text(path: str, sample_by: str, advance) -> Iterator[str]:
 
 
 def _jsonl(path: str, field: str, advance) -> Iterator[str]:
-    for number, record in json_records(path, advance):
-        if number == 1 and field not in record:
+    first = True
+    for _, record in json_records(path, advance):
+        if first and field not in record:
             raise PpsplitError(f"data.field={field!r} is not in {os.path.basename(path)}'s records; "
                                f"allowed: {', '.join(record)}")
+        first = False
         value = record.get(field)
         if isinstance(value, str):
             yield value
@@ -157,11 +159,11 @@ def _parquet(path: str, field: str, advance) -> Iterator[str]:
 
 
 class Records:
-    """The records of JSON-lines or Parquet files, in order, read as they are iterated;
-    ``column_names``: the first record's fields."""
+    """The records of JSON-lines or Parquet files, in order, read as they are iterated
+    (``advance`` gets the bytes read); ``column_names``: the first record's fields."""
 
-    def __init__(self, files: list[str]):
-        self.files = files
+    def __init__(self, files: list[str], advance=lambda n: None):
+        self.files, self.advance = files, advance
         if files[0].endswith(".parquet"):
             self.column_names = parquet_file(files[0]).schema_arrow.names
         else:
@@ -173,6 +175,6 @@ class Records:
     def __iter__(self) -> Iterator[dict]:
         for path in self.files:
             if path.endswith(".parquet"):
-                yield from parquet_records(path)
+                yield from parquet_records(path, advance=self.advance)
             else:
-                yield from (record for _, record in json_records(path))
+                yield from (record for _, record in json_records(path, self.advance))

@@ -35,11 +35,12 @@ from ppsplit.config.tasks import IGNORE
 from ppsplit.errors import PpsplitError
 
 
-def read_records(files: list[str]):
-    """The records of the files, read as a stream (``ppsplit.data.read.Records``)."""
+def read_records(files: list[str], advance=lambda n: None):
+    """The records of the files, read as a stream (``ppsplit.data.read.Records``); ``advance``
+    gets the bytes read."""
     from ppsplit.data.read import Records
 
-    return Records(files)
+    return Records(files, advance)
 
 
 def record_format(spec, columns: list[str], source: str) -> str:
@@ -54,19 +55,45 @@ def record_format(spec, columns: list[str], source: str) -> str:
         "data.prompt_field and data.completion_field, naming fields that are there")
 
 
-def tokenize_examples(spec, records, tokenizer, seq_len: int, source: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def tokenize_examples(spec, records, tokenizer, seq_len: int, source: str, processes: int = 1,
+                      used: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Each record as (token ids, which are scored), truncated or refused past ``seq_len``, as
-    the records are read; a record with nothing to score is left out."""
+    the records are read, ``RECORDS`` a task in ``processes`` processes (``used["processes"]``:
+    how many ran); a record with nothing to score is left out."""
     kind = record_format(spec, records.column_names, source)
     if kind == "conversational" and not getattr(tokenizer, "chat_template", None):
         raise PpsplitError(f"data.tokenizer: {source} is conversational ({spec.sft.messages_field!r}) and the "
                            "tokenizer has no chat template; allowed: a tokenizer whose tokenizer_config.json "
                            "(or chat_template.jinja) holds one, or prompt/completion records")
-    return _examples(spec, kind, records, tokenizer, seq_len, source)
+    return _in_tasks(records, _examples, (spec, kind, tokenizer, seq_len, source), processes, used)
 
 
-def _examples(spec, kind, records, tokenizer, seq_len, source) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    for i, record in enumerate(records):
+RECORDS = 256  # records a tokenizing task takes
+
+
+def _in_tasks(records, work, state: tuple, processes: int, used: dict | None) -> Iterator:
+    """What ``work`` makes of each task of records, in order, example by example."""
+    from ppsplit.data.pack import in_order
+
+    def tasks():
+        task, start = [], 0
+        for i, record in enumerate(records):
+            start = i if not task else start
+            task.append(record)
+            if len(task) == RECORDS:
+                yield start, task
+                task = []
+        if task:
+            yield start, task
+
+    for examples in in_order(tasks(), work, state, processes, {} if used is None else used):
+        yield from examples
+
+
+def _examples(spec, kind, tokenizer, seq_len, source, task) -> list[tuple[np.ndarray, np.ndarray]]:
+    start, records = task
+    out = []
+    for i, record in enumerate(records, start):
         where = f"record {i + 1} of {source}"
         if kind == "conversational":
             ids, scored = _conversation(tokenizer, record[spec.sft.messages_field], spec, where)
@@ -84,7 +111,8 @@ def _examples(spec, kind, records, tokenizer, seq_len, source) -> Iterator[tuple
         scored = np.asarray(scored, dtype=bool)
         scored[:1] = False  # nothing of its own comes before an example's first token
         if scored.any():
-            yield np.asarray(ids, dtype=np.int32), scored
+            out.append((np.asarray(ids, dtype=np.int32), scored))
+    return out
 
 
 def _prompt_completion(tokenizer, prompt, completion, spec, where: str) -> tuple[list[int], list[bool]]:
@@ -226,18 +254,21 @@ class RowPacker:
         return row
 
 
-def seq2seq_examples(spec, records, tokenizer, seq_len: int, source: str) -> Iterator[tuple[list[int], list[int]]]:
+def seq2seq_examples(spec, records, tokenizer, seq_len: int, source: str, processes: int = 1,
+                     used: dict | None = None) -> Iterator[tuple[list[int], list[int]]]:
     """Each prompt-completion record as (encoder ids, decoder labels), truncated or refused past
-    ``seq_len`` (each side on its own)."""
+    ``seq_len`` (each side on its own), in ``processes`` processes as :func:`tokenize_examples`."""
     if record_format(spec, records.column_names, source) != "prompt_completion":
         raise PpsplitError(f"data.path: {source} is conversational; an encoder-decoder takes prompt/completion "
                            f"records ({spec.sft.prompt_field!r} to the encoder, {spec.sft.completion_field!r} to the "
                            "decoder); allowed: such records, or a causal LM")
-    return _seq2seq(spec, records, tokenizer, seq_len, source)
+    return _in_tasks(records, _seq2seq, (spec, tokenizer, seq_len, source), processes, used)
 
 
-def _seq2seq(spec, records, tokenizer, seq_len, source) -> Iterator[tuple[list[int], list[int]]]:
-    for i, record in enumerate(records):
+def _seq2seq(spec, tokenizer, seq_len, source, task) -> list[tuple[list[int], list[int]]]:
+    start, records = task
+    out = []
+    for i, record in enumerate(records, start):
         where = f"record {i + 1} of {source}"
         ids, scored = _prompt_completion(tokenizer, record[spec.sft.prompt_field], record[spec.sft.completion_field],
                                          spec, where)
@@ -248,7 +279,8 @@ def _seq2seq(spec, records, tokenizer, seq_len, source) -> Iterator[tuple[list[i
                 raise PpsplitError(f"data.truncate=false: {where} is {len(side)} tokens on one side, longer than "
                                    f"seq_len={seq_len}; allowed: data.truncate=true, a larger seq_len, or shorter "
                                    "examples")
-        yield head[:seq_len], tail[:seq_len]
+        out.append((head[:seq_len], tail[:seq_len]))
+    return out
 
 
 def seq2seq_row(head: list[int], tail: list[int], seq_len: int, pad: int, start: int) -> dict:
@@ -263,22 +295,28 @@ def seq2seq_row(head: list[int], tail: list[int], seq_len: int, pad: int, start:
 
 
 def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, path: str, meta: dict,
-                decoder_start: int | None = None) -> None:
-    """Every record tokenized as it is read, held out or not (``ppsplit.data.order.held_out``,
-    by example), made into rows and appended to the token store at ``path``."""
+                decoder_start: int | None = None, progress: bool = False) -> None:
+    """Every record tokenized as it is read (in ``data.num_proc`` processes, a progress bar with
+    ``progress``), held out or not (``ppsplit.data.order.held_out``, by example), made into rows
+    and appended to the token store at ``path``."""
+    import time
+
     from ppsplit.data.order import held_out
+    from ppsplit.data.pack import num_proc, progress_bar
     from ppsplit.data.store import StoreWriter
 
     source = os.path.basename(files[0]) + (f" (and {len(files) - 1} more)" if len(files) > 1 else "")
-    records = read_records(files)
+    total = sum(os.path.getsize(f) for f in files)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    if decoder_start is not None:  # an encoder-decoder
-        examples = seq2seq_examples(spec, records, tokenizer, seq_len, source)
-    else:
-        examples = tokenize_examples(spec, records, tokenizer, seq_len, source)
-        packers = {part: RowPacker(seq_len, pad, spec.sft.packing) for part in ("train", "val")}
     counts, scored, draws = {"train": 0, "val": 0}, 0, np.zeros(0, dtype=bool)
-    with StoreWriter(path) as out:
+    started, used = time.perf_counter(), {}
+    with StoreWriter(path) as out, progress_bar(total, progress) as bar:
+        records = read_records(files, bar.update)
+        if decoder_start is not None:  # an encoder-decoder
+            examples = seq2seq_examples(spec, records, tokenizer, seq_len, source, num_proc(spec), used)
+        else:
+            examples = tokenize_examples(spec, records, tokenizer, seq_len, source, num_proc(spec), used)
+            packers = {part: RowPacker(seq_len, pad, spec.sft.packing) for part in ("train", "val")}
         for n, example in enumerate(examples):
             if n % 4096 == 0:
                 draws = held_out(n, 4096, seed, spec.val_fraction)
@@ -304,7 +342,9 @@ def prepare_sft(spec, tokenizer, files: list[str], seq_len: int, seed: int, path
         names = [part if key == "ids" else f"{part}_{key}" for part in ("train", "val") for key in keys]
         shapes = {name: (out.count(name) // seq_len, seq_len) for name in names}
         out.finish(shapes, {**meta, "documents": sum(counts.values()), "val_documents": counts["val"],
-                            "format": record_format(spec, records.column_names, source), "scored_tokens": scored})
+                            "format": record_format(spec, records.column_names, source), "scored_tokens": scored,
+                            "corpus_bytes": total, "num_proc": used.get("processes", 1),
+                            "tokenize_s": round(time.perf_counter() - started, 3)})
 
 
 def _write_rows(out, part: str, rows: list[dict]) -> None:
