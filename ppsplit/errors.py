@@ -38,10 +38,14 @@ class JobStopped(CheckFailed):
 
     def __init__(self, step: int, job: str, cancelled: bool = False):
         self.step, self.job, self.saved, self.cancelled = step, job, None, cancelled
+        self.used_up = 0  # launcher.max_requeue, when every new job it allows was started
         why = "was cancelled (scancel)" if cancelled else \
             "was signalled by SLURM (its time limit, a preemption or a requeue)"
         super().__init__(f"{job} {why}; the ranks stopped at step {step}")
 
     def __str__(self) -> str:
         base = super().__str__()
+        if self.used_up:
+            base += (f"; launcher.max_requeue={self.used_up} new jobs were all used (a larger "
+                     f"launcher.max_requeue or launcher.time_min goes further)")
         return f"{base}; checkpoint: {self.saved} (checkpoint.load=auto goes on from it)" if self.saved else base

@@ -170,7 +170,7 @@ def requeued_to_the_last_step(runs, cwd):
     """Over two or more new jobs, each going on from the step folder the one before saved when
     SLURM signalled it; metrics.csv has every step once, with the job it ran in."""
     ((_, (report,)),) = runs
-    run, steps, ck = load(report)["run"], 3000, os.path.join(cwd, "ck", "slurm")
+    run, steps, ck = load(report)["run"], 1000, os.path.join(cwd, "ck", "slurm")
     restarts = run["restarts"]
     assert len(restarts) >= 2 and len({r["job"] for r in restarts}) == len(restarts), restarts
     stops = [r["stopped_at"] for r in restarts]
@@ -214,7 +214,7 @@ def fine_tunes_adapters_over_the_pretrained_base(runs, cwd):
 
 
 CLAIMS = {  # a substring of a README block -> what its runs' reports must show
-    "launcher.requeue=true launcher.max_requeue=10": requeued_to_the_last_step,
+    "launcher.requeue=true launcher.max_requeue=30": requeued_to_the_last_step,
     "checkpoint.every=2 checkpoint.keep=2": goes_on_from_the_newest,
     "data=text data.path=toy/corpus.txt": trains_below_the_unigram_entropy,
     "peft=lora stages=2": fine_tunes_adapters_over_the_pretrained_base,

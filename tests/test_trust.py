@@ -165,3 +165,34 @@ def test_slurm_queries_that_fail_are_never_read_as_pending_or_not_cancelled(tmp_
     assert "sacct exited with 1: sacct: error: Problem talking to the database" in job.query_error
     with pytest.raises(CheckFailed, match="cannot tell whether SLURM job 4242 was cancelled .* it is not requeued"):
         job.cancelled()
+
+
+def test_a_requeued_run_that_uses_up_its_new_jobs_says_so(cfg_for, monkeypatch, tmp_path):
+    """Each of launcher.max_requeue new jobs signalled in turn: the run goes on in each, then
+    ends naming the limit it used up (and the checkpoint the last one saved)."""
+    from ppsplit.app import job as job_mod
+    from ppsplit.config.spec import from_config
+    from ppsplit.errors import JobStopped
+
+    given = ["launcher=slurm", "launcher.requeue=true", "launcher.max_requeue=2", "checkpoint.every=5",
+             f"checkpoint.dir={tmp_path / 'ck'}"]
+    spec = from_config(cfg_for(*given), overrides=given)
+    starts = []
+
+    def signalled(checked, output_dir, say, restarts):
+        starts.append(checked.spec.checkpoint.load)
+        err = JobStopped(5 * len(starts), f"SLURM job {len(starts)}")
+        err.saved = str(tmp_path / "ck" / f"step-{5 * len(starts):06d}")
+        raise err
+
+    monkeypatch.setattr(job_mod, "_run_once", signalled)
+    monkeypatch.setattr(job_mod, "validate", lambda s: type("Checked", (), {"spec": s})())
+    said = []
+    with pytest.raises(JobStopped) as caught:
+        job_mod.run_job(spec, str(tmp_path), progress=said.append)
+    assert len(starts) == 3 and sum("going on in a new job" in s for s in said) == 2
+    assert str(caught.value) == (
+        "SLURM job 3 was signalled by SLURM (its time limit, a preemption or a requeue); the ranks stopped "
+        "at step 15; launcher.max_requeue=2 new jobs were all used (a larger launcher.max_requeue or "
+        f"launcher.time_min goes further); checkpoint: {tmp_path / 'ck' / 'step-000015'} "
+        "(checkpoint.load=auto goes on from it)")

@@ -46,6 +46,8 @@ def run_job(spec: JobSpec, output_dir: str, progress: Progress | None = None, ch
                              restarts)
         except JobStopped as err:
             if err.cancelled or not (spec.launcher.requeue and len(restarts) < spec.launcher.max_requeue):
+                if spec.launcher.requeue and not err.cancelled:
+                    err.used_up = spec.launcher.max_requeue
                 raise
             # signalled before its first step, a job saves nothing new: the next starts as it did
             saved = err.saved or (newest(spec.checkpoint.dir) if spec.checkpoint.auto else spec.checkpoint.load)
