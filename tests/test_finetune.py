@@ -27,10 +27,15 @@ def toy(tmp_path_factory):
             "prompts": str(folder / "prompts.jsonl"), "cache": str(folder / "cache")}
 
 
-def sft_args(toy, records="chat", *extra):
-    return ["model=llama", "data=sft", f"data.path={toy[records]}", f"data.tokenizer={toy['tokenizer']}",
-            f"data.cache_dir={toy['cache']}", "data.truncate=true", "seq_len=128",
-            f"model.config.vocab_size={VOCAB}", *extra]
+LLAMA = ("model=llama", f"model.config.vocab_size={VOCAB}")
+QWEN2 = ("model=hf", "model.model_class=Qwen2ForCausalLM", "+model.config.num_hidden_layers=4",  # through model=hf
+         "+model.config.hidden_size=64", "+model.config.intermediate_size=128", "+model.config.num_attention_heads=4",
+         "+model.config.num_key_value_heads=2", f"+model.config.vocab_size={VOCAB}")
+
+
+def sft_args(toy, records="chat", *extra, model=LLAMA):
+    return [*model, "data=sft", f"data.path={toy[records]}", f"data.tokenizer={toy['tokenizer']}",
+            f"data.cache_dir={toy['cache']}", "data.truncate=true", "seq_len=128", *extra]
 
 
 def _spec(*overrides):
@@ -157,18 +162,78 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_at_another_layout(toy,
         assert other.returncode == 2 and len(lines) == 1 and said in lines[0], other.stderr[-2000:]
 
 
-LAYOUTS = [("llama", "parallel.dp=2", "1f1b"),  # FSDP2 units that mix the frozen base and the adapters
-           ("gpt2", "parallel.dp=1", "zbv")]  # a frozen tied embedding under a zero-bubble schedule
+LAYOUTS = [("llama", LLAMA, "parallel.dp=2", "1f1b"),  # FSDP2 units that mix the frozen base and the adapters
+           ("gpt2", ("model=gpt2", f"model.config.vocab_size={VOCAB}"), "parallel.dp=1", "zbv"),  # a frozen tie, zero bubble
+           ("qwen2", QWEN2, "parallel.dp=1", "1f1b")]  # a class named through model=hf (biased q, k, v)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,dp,schedule", LAYOUTS, ids=[f"{m}-{d}-{s}" for m, d, s in LAYOUTS])
-def test_lora_equals_the_unsplit_model_under_fsdp2_and_zero_bubble(toy, tmp_path, model, dp, schedule):
-    proc = run_cli(*sft_args(toy, "prompts"), f"model={model}", dp, f"schedule={schedule}", "peft=lora",
+@pytest.mark.parametrize("name,model,dp,schedule", LAYOUTS, ids=[f"{n}-{d}-{s}" for n, _, d, s in LAYOUTS])
+def test_lora_equals_the_unsplit_model_under_fsdp2_and_zero_bubble(toy, tmp_path, name, model, dp, schedule):
+    proc = run_cli(*sft_args(toy, "prompts", model=model), dp, f"schedule={schedule}", "peft=lora",
                    "data.val_fraction=0.2", "steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.load(open(tmp_path / "run" / "report.json"))["run"]
     assert run["ok"] and all(t["copies_bitwise_equal"] for t in run.get("ties") or [])
+
+
+def test_a_tensor_parallel_plan_lays_out_the_adapters_beside_their_base_layers():
+    """Beside a column-wise base, B is column-wise and A whole; beside a row-wise one, A is
+    row-wise and B whole; an adapted embedding under a row-wise plan is refused by name."""
+    from ppsplit.models import build
+    from ppsplit.stages.shard_flow import adapter_plan
+    from ppsplit.stages.shard_flow import tp_plan_of
+
+    model = build.model_of(_spec("model=llama", "peft=lora", "peft.target_modules=all-linear"))
+    plan = tp_plan_of(model)
+    layer = "base_model.model.model.layers.1."
+    assert plan[layer + "self_attn.q_proj.base_layer"] == plan[layer + "self_attn.q_proj.lora_B.default"] == "colwise"
+    assert plan[layer + "mlp.down_proj.base_layer"] == plan[layer + "mlp.down_proj.lora_A.default"] == "rowwise"
+    assert layer + "self_attn.q_proj.lora_A.default" not in plan and layer + "mlp.down_proj.lora_B.default" not in plan
+    assert not any(k.endswith("self_attn.q_proj") for k in plan)  # the peft wrapper itself is not a leaf
+    embedded = build.model_of(_spec("model=llama", "peft=lora", "peft.target_modules=[embed_tokens]"))
+    with pytest.raises(PpsplitError, match="peft.target_modules takes model.embed_tokens, which parallel.tp lays "
+                                           "out embedding_rowwise"):
+        adapter_plan(embedded, {"model.embed_tokens": "embedding_rowwise"})
+
+
+@pytest.fixture(scope="module")
+def lora_pp2(toy, tmp_path_factory):
+    """Two AdamW steps of LoRA on every linear layer at pp2, with the adapter folder."""
+    return _lora_run(toy, tmp_path_factory.mktemp("pp2"))
+
+
+def _lora_run(toy, folder, *extra):
+    proc = run_cli(*sft_args(toy), "peft=lora", "peft.target_modules=all-linear", "optimizer=adamw", "steps=2",
+                   "checkpoint.save=true", f"checkpoint.dir={folder / 'ck'}", "checkpoint.hf=true", *extra,
+                   f"hydra.run.dir={folder / 'run'}", cwd=folder, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder, json.load(open(folder / "run" / "report.json"))["run"]
+
+
+@pytest.mark.slow
+def test_lora_at_pp2_x_tp2_shards_the_adapters_and_exports_them_whole(toy, tmp_path, lora_pp2):
+    """Every step equals the unsplit adapted model's; each rank holds part of the adapters'
+    optimizer state; the adapter folder gathered from the shards equals the pp2 run's."""
+    from safetensors.torch import load_file
+
+    folder, run = _lora_run(toy, tmp_path, "parallel.tp=2")
+    base_folder, base = lora_pp2
+    assert run["ok"] and base["ok"] and run["mesh"]["tp"] == 2
+    whole = {r["pp"]: r["optimizer_bytes"] for r in base["rank_layout"]}
+    assert all(r["optimizer_bytes"] < 0.8 * whole[r["pp"]] for r in run["rank_layout"]), run["rank_layout"]
+    mine, theirs = (load_file(f / "ck" / "hf" / "adapter_model.safetensors") for f in (folder, base_folder))
+    assert mine.keys() == theirs.keys() and any(".lora_B." in k for k in mine)
+    for key, tensor in theirs.items():
+        assert mine[key].shape == tensor.shape and torch.allclose(mine[key], tensor, atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_adapter_dropout_masks_are_drawn_alike_in_the_stages_and_the_unsplit_model(toy, tmp_path, lora_pp2):
+    _, run = _lora_run(toy, tmp_path, "peft.dropout=0.1")
+    _, still = lora_pp2
+    assert run["ok"] and run["grad_max_abs_diff"] < 1e-6
+    assert abs(run["losses"][1] - still["losses"][1]) > 1e-4  # the masks are drawn (B moved after step 1)
 
 
 @pytest.mark.slow
@@ -190,6 +255,7 @@ BAD = [
     (("peft=lora", "peft.target_modules=[nosuch]"), "chat", "peft.target_modules=['nosuch']"),
     (("peft=lora", "peft.r=0"), "chat", "peft.r=0"),
     (("peft=lora", "peft.merge=true"), "chat", "peft.merge=true"),
+    (("peft=lora", "peft.dropout=0.1", "parallel.tp=2"), "chat", "peft.dropout=0.1 with parallel.tp=2"),
 ]
 
 

@@ -99,6 +99,7 @@ def test_multi_stage_schedules_with_data_parallel(tmp_path, schedule, fsdp):
 @pytest.mark.parametrize("overrides,expect", [
     (["model=gpt2", "parallel.tp=2"], "GPT2LMHeadModel has no tensor-parallel plan"),
     (["model=llama", "parallel.tp=4"], "parallel.tp=4 does not divide the model's num_key_value_heads=2"),
+    (["model=llama", "parallel.tp=2", "model.tp_plan={model.nosuch:colwise}"], "the plan names no module of the model"),
     (["model=gpt2", "parallel.dp=2", "launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2"],
      "gives 2 ranks; this run needs 4"),
     (["model=gpt2", "stages=4", "schedule=zbv", "parallel.dp=2"], "allowed: parallel.fsdp=false"),

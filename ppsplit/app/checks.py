@@ -207,12 +207,10 @@ def _check_adapters(spec: JobSpec, model):
     from ppsplit.models.adapters import adapt
 
     p = spec.peft
-    if spec.parallel.tp > 1:
-        raise PpsplitError(f"peft={p.name} with parallel.tp={spec.parallel.tp}: the adapters of a tensor-parallel "
-                           "layer are not laid out yet; allowed: parallel.tp=1 (pipeline and FSDP2 data parallel)")
-    if p.dropout:
-        raise PpsplitError(f"peft.dropout={p.dropout:g}: the adapters' dropout masks cannot be drawn alike in the "
-                           "stages and the unsplit model yet; allowed: 0")
+    if p.dropout and spec.parallel.tp > 1:
+        raise PpsplitError(f"peft.dropout={p.dropout:g} with parallel.tp={spec.parallel.tp}: a tensor-parallel rank "
+                           "draws the adapters' dropout for its own part of their work, which cannot match the "
+                           "unsplit model's masks; allowed: peft.dropout=0, or parallel.tp=1")
     return adapt(model, p, spec.seed)
 
 

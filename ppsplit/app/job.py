@@ -456,21 +456,29 @@ def _data_section(spec: JobSpec, data_file: str | None) -> dict:
 
 
 def _dropout(spec: JobSpec, say):
-    """Say what ``dropout`` does to this model; the mask seeds when its dropout stays on."""
+    """Say what ``dropout`` does to this model (and ``peft.dropout`` to its adapters); the mask
+    seeds when some dropout stays on."""
     m = spec.model
     settings = build.stochastic_settings(m.class_name, m.config, m.pretrained)
-    if not settings:
+    adapters = spec.peft.on and spec.peft.dropout
+    if not settings and not adapters:
         return None
     by_value: dict[float, list[str]] = {}
     for key, value in settings.items():
         by_value.setdefault(value, []).append(key)
     found = "; ".join(f"p={value:g} in the config: {', '.join(keys)}" for value, keys in by_value.items())
-    if not spec.dropout:
+    on = []
+    if settings and not spec.dropout:
         say(f"dropout off for the check and the training ({found}); dropout=true trains with it")
+    elif settings:
+        on.append(found)
+    if adapters:
+        on.append(f"p={spec.peft.dropout:g} on the adapters' input: peft.dropout")
+    if not on:
         return None
     from ppsplit.train.dropout import MaskSeeds
 
-    say(f"dropout on ({found}): masks drawn alike in the stages and the unsplit model")
+    say(f"dropout on ({'; '.join(on)}): masks drawn alike in the stages and the unsplit model")
     return MaskSeeds(spec.seed)
 
 

@@ -165,6 +165,12 @@ class JobSpec:
         return self.plan.ranks * self.parallel.dp * self.parallel.tp
 
     @property
+    def draws_masks(self) -> bool:
+        """Training draws dropout masks that both sides must draw alike: the model's own
+        (``dropout=true``) or the adapters' (``peft.dropout`` above 0)."""
+        return self.dropout or bool(self.peft.on and self.peft.dropout)
+
+    @property
     def distributed(self) -> bool:
         return self.launcher.name != "inline"
 

@@ -5,6 +5,8 @@ layer's weight under ``.base_layer``, its adapters under ``.lora_A.default`` and
 ``.lora_B.default``), and the split keeps them. Only the adapters (and ``modules_to_save``)
 train. Their initial values are drawn per FQN from the seed, as the model's own weights are
 (:mod:`ppsplit.models.init`), so a rank that builds its stages alone gets the unsplit model's.
+Under tensor parallelism the model's plan is laid over the adapters too
+(:func:`ppsplit.stages.shard_flow.adapter_plan`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def is_adapted(model: torch.nn.Module) -> bool:
 
 def trainable(named_params) -> list[tuple[str, torch.Tensor]]:
     return [(k, p) for k, p in named_params if p.requires_grad]
+
+
+PREFIX = "base_model.model."  # what peft puts before the base model's FQNs
 
 
 def saved_key(fqn: str) -> str:

@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from ppsplit.errors import PpsplitError
+from ppsplit.stages.code import _METADATA_ASSERTS
 from ppsplit.torch_private import OpOverload
 
 aten = torch.ops.aten
@@ -158,6 +159,8 @@ class ShardFlow:
         first = node.args[0] if isinstance(node.args[0], fx.Node) else None
         op = _Op(where, node, shards.get(first) if first is not None else None,
                  _shape(first) if first is not None else None, _shape(node), shards)
+        if target in _METADATA_ASSERTS and _args_of(node, 1, "size") is None and _args_of(node, 2, "stride") is None:
+            return None  # a check of dtype and device only: a shard passes it as the whole did
         for targets, handler in _HANDLERS:
             if target in targets:
                 return handler(self, op)
@@ -306,6 +309,10 @@ _HANDLERS = (
 )
 
 
+def _args_of(node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
 def _flat(values):
     out = []
     for v in values:
@@ -334,6 +341,10 @@ def plan_stage_flows(split, plan: dict[str, str], tp: int, model: torch.nn.Modul
         outputs = flow.run(stage, inputs)
         flows.append(StageFlow(inputs, outputs, flow.rewrites, leaves))
         carried = outputs
+    if not any(f.leaves for f in flows):
+        raise TensorParallelRefused(f"parallel.tp={tp}: the plan names no module of the model (e.g. "
+                                    f"{next(iter(plan), '(empty)')}); allowed: FQN patterns of its nn.Linear and "
+                                    "nn.Embedding layers")
     if any(s is not None for s in _flat(flows[-1].outputs)):
         raise TensorParallelRefused(f"parallel.tp={tp}: the model's outputs would stay sharded; "
                                     "allowed: a plan whose last layers gather their output")
@@ -397,11 +408,12 @@ def apply_rewrites(stage: torch.nn.Module, rewrites: list[Rewrite], tp_mesh) -> 
 
 def tp_plan_of(model: torch.nn.Module, override: dict | None = None) -> dict[str, str]:
     """The tensor-parallel plan of ``model`` keyed by full FQN patterns: ``override`` (from the
-    model config) or transformers' own (``model.tp_plan``)."""
-    if override:
-        return dict(override)
-    plan = getattr(model, "tp_plan", None)
-    return dict(plan or {})
+    model config) or transformers' own (``model.tp_plan``); for a peft-adapted model, laid out
+    over its adapters too (:func:`adapter_plan`)."""
+    plan = dict(override) if override else dict(getattr(model, "tp_plan", None) or {})
+    from ppsplit.models.adapters import is_adapted
+
+    return adapter_plan(model, plan) if plan and is_adapted(model) else plan
 
 
 def local_shape(meta: torch.Tensor, shard: int | None, tp: int) -> torch.Tensor:
@@ -435,5 +447,48 @@ def tp_flows(split, model: torch.nn.Module | None, plan: dict | None, tp: int) -
         raise PpsplitError(f"tp={tp}: the split has no tensor-parallel layout at tp={tp} yet; "
                            "allowed: pass model= (its plan, or plan=) or call ppsplit.parallelize first")
     flows = check_tensor_parallel(split, model, plan, tp)
-    split._tp_flows = (tp, tp_plan_of(model, plan), flows)
+    split._tp_flows = (tp, dict(plan) if plan else None, flows)
     return flows
+
+
+# How a LoRA layer's adapters are laid out beside a base layer of each tensor-parallel style:
+# (A's style, B's style); None: whole on every rank.
+_ADAPTER_STYLES = {"colwise": (None, "colwise"), "colwise_gather_output": (None, "colwise_gather_output"),
+                   "rowwise": ("rowwise", None)}
+
+
+def adapter_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The tensor-parallel plan of an adapted model, by its own FQNs. ``plan`` is keyed by the
+    base model's FQN patterns (or already by peft's). A planned layer that peft wrapped is laid
+    out as its base layer (``.base_layer``, in the plan's style) and its adapters to match: beside
+    a column-wise base, B is column-wise and A whole on every rank (B's input gradient is summed
+    over the ranks, so A's is whole); beside a row-wise base, A is row-wise (its input arrives
+    sharded, its output is summed) and B whole. Unwrapped layers keep their style."""
+    from peft.tuners.lora import LoraLayer
+
+    from ppsplit.models.adapters import PREFIX
+
+    modules = dict(model.named_modules())
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        full = pattern if pattern.startswith(PREFIX) else PREFIX + pattern
+        matched = [name for name in modules if _pattern(full).match(name)]
+        if style == "replicate" or not any(isinstance(modules[n], LoraLayer) for n in matched):
+            out[full] = style
+            continue
+        for name in matched:
+            module = modules[name]
+            if not isinstance(module, LoraLayer):
+                out[name] = style
+                continue
+            if style not in _ADAPTER_STYLES or not isinstance(module.get_base_layer(), torch.nn.Linear):
+                raise PpsplitError(f"peft.target_modules takes {name.removeprefix(PREFIX)}, which parallel.tp lays "
+                                   f"out {style}; allowed: adapters on linear layers (colwise or rowwise), or "
+                                   "parallel.tp=1")
+            a_style, b_style = _ADAPTER_STYLES[style]
+            out[f"{name}.base_layer"] = style
+            for adapter in module.lora_A.keys():
+                for part, part_style in (("lora_A", a_style), ("lora_B", b_style)):
+                    if part_style:
+                        out[f"{name}.{part}.{adapter}"] = part_style
+    return out

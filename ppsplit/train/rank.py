@@ -196,7 +196,7 @@ class _RankRun:
         self.tied_keys = {k for g in self.split.tie_groups for k in g}
         self.faults.stages_built(self.modules, self.tied_keys)
         self.masks = None
-        if spec.dropout:
+        if spec.draws_masks:
             from ppsplit.train.dropout import MaskSeeds
 
             self.masks = MaskSeeds(spec.seed, first_microbatch=r.coords[1] * spec.microbatches)
