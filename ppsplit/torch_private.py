@@ -52,6 +52,14 @@ def fsdp_params(module: torch.nn.Module) -> list:
     return [p for group in getattr(state, "_fsdp_param_groups", None) or () for p in group.fsdp_params]
 
 
+def reset_fsdp_shards(module: torch.nn.Module) -> None:
+    """After FSDP2's parameters of ``module`` and below got new storage (materialised from meta),
+    point each one's padded shard storage at it again."""
+    for sub in module.modules():
+        for param in fsdp_params(sub):
+            param.reset_sharded_param()
+
+
 def local_shape_and_offset(shape, mesh, placements):
     """A DTensor's local shape and global offset on this rank."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -17,6 +17,7 @@ def test_the_private_modules_and_functions_are_there():
                          ("torch.distributed.pipelining._backward", "stage_backward"),
                          ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
                          ("torch.distributed.checkpoint._traverse", "set_element"),
+                         ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
                          (torch_private.P2P_FUNCTIONS[0], torch_private.P2P_FUNCTIONS[1]),
                          (torch_private.P2P_FUNCTIONS[0], torch_private.P2P_FUNCTIONS[2])):
         try:
@@ -43,6 +44,10 @@ def test_they_answer_as_ppsplit_reads_them():
     with FakeTensorMode():
         assert torch_private.tracing_or_mode_active() is True
     assert torch_private.fsdp_params(torch.nn.Linear(2, 2)) == []
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    assert callable(FSDPParam.reset_sharded_param)  # what reset_fsdp_shards calls on each record
+    torch_private.reset_fsdp_shards(torch.nn.Linear(2, 2))  # a module FSDP2 never wrapped: nothing to do
     nested = {"a": {}}
     torch_private.set_nested(nested, ("a", "b"), 3)
     assert nested == {"a": {"b": 3}}

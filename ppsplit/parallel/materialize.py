@@ -131,11 +131,9 @@ def _allocate(stage: torch.nn.Module, device) -> None:
     (a DTensor keeps its placements), one new tensor per tensor however many names it has. FSDP2
     then takes the new parameters as its shards."""
     _replace(stage, {id(t) for _, t in _named_tensors(stage) if t.is_meta}, device)
-    from ppsplit.torch_private import fsdp_params
+    from ppsplit.torch_private import reset_fsdp_shards
 
-    for sub in stage.modules():
-        for param in fsdp_params(sub):
-            param.reset_sharded_param()  # FSDP2's padded shard storage follows the new parameter
+    reset_fsdp_shards(stage)  # FSDP2's padded shard storage follows the new parameters
 
 
 def _groups(by_fqn: dict, blocks: list[str]) -> list[list[str]]:
