@@ -299,6 +299,7 @@ BAD = [
     (["schedule=interleaved_1f1b", "schedule.stages_per_rank=abc"], "schedule.stages_per_rank='abc'"),
     (["timeout_s=0"], "timeout_s=0: allowed: a number > 0"),
     (["tolerance=-1"], "tolerance=-1: allowed: a number >= 0"),
+    (["timeout_s=abc"], "timeout_s='abc': allowed: a finite number > 0"),
     (["launcher.cpus_per_task=0"], "launcher.cpus_per_task=0: allowed: an integer >= 1"),
     (["split=layers", "split.first_stage_less=3"], "split.first_stage_less=3: the even share is 2"),
     (["model=llama", "model.config.num_hidden_layers=8", "stages=8"],

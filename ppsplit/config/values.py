@@ -45,7 +45,7 @@ def opt_integer(key: str, value, minimum: int | None = None) -> int | None:
 
 def number(key: str, value, minimum: float = 0.0, exclusive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PpsplitError(f"{key}={value!r}: must be a finite number {'>' if exclusive else '>='} {minimum:g}")
+        raise PpsplitError(f"{key}={value!r}: allowed: a finite number {'>' if exclusive else '>='} {minimum:g}")
     if value < minimum or (exclusive and value == minimum):
         raise PpsplitError(f"{key}={value!r}: allowed: a number {'>' if exclusive else '>='} {minimum:g}")
     return float(value)
