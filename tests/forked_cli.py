@@ -25,7 +25,12 @@ PRELOAD = ("ppsplit.app.cli", "ppsplit.app.job", "ppsplit.launch.dispatch", "hyd
            "transformers.GPT2LMHeadModel", "transformers.LlamaForCausalLM", "transformers.BertForMaskedLM",
            "transformers.T5ForConditionalGeneration", "transformers.Qwen2MoeForCausalLM",
            "transformers.BartForConditionalGeneration", "transformers.ViTForImageClassification",
-           "transformers.AlbertForMaskedLM", "transformers.Qwen2ForCausalLM", "transformers.AutoTokenizer")
+           "transformers.AlbertForMaskedLM", "transformers.Qwen2ForCausalLM", "transformers.AutoTokenizer",
+           # what nearly every run imports on its way (about 0.3 s a run): the export machinery,
+           # the check, the reports and their pictures
+           "torch.export._trace", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+           "ppsplit.stages.trace", "ppsplit.stages.verify", "ppsplit.train.compare", "ppsplit.report.timeline",
+           "ppsplit.report.sweep", "ppsplit.checkpoint.dcp", "matplotlib.pyplot")
 _SERVER: Launcher | None = None
 _LOCK = threading.Lock()
 

@@ -61,8 +61,8 @@ def test_slurm_rank_crash_is_named(tmp_path, launcher):
 @pytest.mark.parametrize("launcher", ["slurm"])
 def test_slurm_hung_rank_is_named_and_the_job_cancelled(tmp_path, launcher):
     cfg = compose_cfg("model=gpt2", "launcher=slurm", "debug.crash_rank=0", "debug.crash_step=0",
-                      "debug.crash_mode=hang", "timeout_s=20")
-    with pytest.raises(CheckFailed, match=r"no progress for timeout_s=20: rank 0 in step 1/3 at ppsplit/faults.py:\d+ in inject_crash"):
+                      "debug.crash_mode=hang", "timeout_s=12")
+    with pytest.raises(CheckFailed, match=r"no progress for timeout_s=12: rank 0 in step 1/3 at ppsplit/faults.py:\d+ in inject_crash"):
         run(cfg, str(tmp_path))
     job_id = [l for l in os.listdir(tmp_path / "submitit") if l.endswith("_submission.sh")]
     deadline = time.monotonic() + 30

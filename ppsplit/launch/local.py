@@ -28,7 +28,10 @@ import time
 KILL_AFTER_S = 2.0  # SIGKILL this long after SIGTERM
 START_TIMEOUT_S = 600.0  # the launcher's imports on a loaded machine, and the fork
 PRELOAD = ("torch", "transformers", "torch.distributed.pipelining", "torch.distributed.checkpoint",
-           "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "ppsplit.launch.rank")
+           "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "ppsplit.launch.rank",
+           # every rank traces its model: export's own imports (0.14 s of a rank's first export here)
+           "torch.export._trace", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+           "ppsplit.train.rank")
 _HEADER = struct.Struct("!I")
 
 
