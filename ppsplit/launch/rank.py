@@ -102,6 +102,11 @@ def run(spec: JobSpec, launch: dict, rank: int, world: int, local_rank: int, cha
 
 def forked(argv: list[str]) -> None:
     """A local rank (``LAUNCH RANK WORLD``), forked by :mod:`ppsplit.launch.local`."""
+    import gc
+
+    # The interpreter's own thresholds, whatever the driver it was forked from set for its start
+    # (app.cli.DRIVER_GC_THRESHOLDS): a rank's garbage goes as soon as it always has.
+    gc.set_threshold(700, 10, 10)
     launch_file, rank, world = argv[0], int(argv[1]), int(argv[2])
     try:
         rank_entry(launch_file, rank, world)
