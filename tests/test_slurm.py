@@ -117,8 +117,8 @@ def test_slurm_ranks_never_outlive_their_driver_and_a_killed_rank_is_named(tmp_p
 def test_scontrol_requeue_of_the_running_job_goes_on_in_a_new_one(tmp_path, launcher):
     """The ranks' job requeued by hand mid-run: they save within KillWait, the run goes on in a
     new job from there, and the requeued copy is cancelled (it would start again later)."""
-    ck, run_dir = tmp_path / "ck", tmp_path / "run"
-    proc = ForkedCli(["launcher=slurm", "steps=300", "checkpoint.every=100000", f"checkpoint.dir={ck}",
+    ck, run_dir, steps = tmp_path / "ck", tmp_path / "run", 300
+    proc = ForkedCli(["launcher=slurm", f"steps={steps}", "checkpoint.every=100000", f"checkpoint.dir={ck}",
                       "launcher.requeue=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     try:
         end = time.monotonic() + 240
@@ -133,7 +133,7 @@ def test_scontrol_requeue_of_the_running_job_goes_on_in_a_new_one(tmp_path, laun
         proc.kill()
     (restart,) = report_of(run_dir)["run"]["restarts"]
     assert restart["job"] == f"SLURM job {job}" and restart["stopped_at"] >= 4
-    assert os.readlink(ck / "latest") == "step-000300"
+    assert os.readlink(ck / "latest") == f"step-{steps:06d}"
     time.sleep(1)
     states = subprocess.run(["sacct", "-j", job, "-X", "-n", "-o", "State"], capture_output=True, text=True).stdout
     assert "PENDING" not in states and "RUNNING" not in states, states  # the requeued copy is gone
